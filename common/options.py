@@ -93,3 +93,57 @@ Beta = Annotated[float, opt("beta", "DPO temperature: strength of the implicit K
 LabelSmoothing = Annotated[float, opt("label_smoothing", "Conservative DPO: assumed fraction of flipped labels.", ALGO, min=0.0, max=0.5)]
 IPO = Annotated[bool, flag("ipo", "Use the IPO loss instead of DPO's log-sigmoid.", ALGO)]
 NLLLossCoef = Annotated[float, opt("nll_loss_coef", "Weight of an NLL term on the chosen responses (RPO).", ALGO, min=0.0)]
+
+# --- Algorithm (online RL) ---------------------------------------------------------------------
+AdvantageEstimator = Annotated[str, opt("advantage_estimator", "gae (PPO) | reinforce (REINFORCE++) | reinforce_baseline | rloo | group_norm (GRPO) | dr_grpo.", ALGO)]
+NSamples = Annotated[int, opt("n_samples_per_prompt", "Responses sampled per prompt (a group).", ALGO, min=1)]
+InitKLCoef = Annotated[float, opt("init_kl_coef", "KL penalty coefficient (0: no reference model at all).", ALGO, min=0.0)]
+KLEstimator = Annotated[str, opt("kl_estimator", "k1 | k2 | k3 (Schulman's estimators of KL(pi || ref)).", ALGO)]
+UseKLLoss = Annotated[bool, flag("use_kl_loss", "Put the KL term in the loss (GRPO) instead of in the reward.", ALGO)]
+Gamma = Annotated[float, opt("gamma", "Discount factor.", ALGO, min=0.0, max=1.0)]
+Lambd = Annotated[float, opt("lambd", "GAE lambda.", ALGO, min=0.0, max=1.0)]
+EpsClip = Annotated[float, opt("eps_clip", "PPO ratio clip (both sides unless --eps_clip_low_high).", ALGO, min=0.0)]
+EpsClipLowHigh = Annotated[Optional[tuple[float, float]], opt("eps_clip_low_high", "Asymmetric clip: low high (DAPO's clip-higher).", ALGO)]
+DualClip = Annotated[Optional[float], opt("dual_clip", "Dual-clip bound c > 1 for negative advantages.", ALGO)]
+ValueClip = Annotated[Optional[float], opt("value_clip", "Clip the value update to this range around the old values.", ALGO)]
+NormalizeReward = Annotated[bool, flag("normalize_reward", "Normalise rewards with running mean/std.", ALGO)]
+NoAdvStdNorm = Annotated[bool, flag("no_advantage_std_norm", "Do not divide group advantages by the group std.", ALGO)]
+EntropyLossCoef = Annotated[float, opt("entropy_loss_coef", "Entropy bonus coefficient.", ALGO)]
+LossAgg = Annotated[str, opt("loss_agg_mode", "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm.", ALGO)]
+DynamicFiltering = Annotated[bool, flag("dynamic_filtering", "DAPO: drop prompt groups whose samples all score the same.", ALGO)]
+RewardFunc = Annotated[Optional[str], opt("reward_func", "Python file defining reward_func(prompts, completions, labels) -> list[float].", ALGO)]
+RemoteRMURL = Annotated[Optional[str], opt("remote_rm_url", "HTTP reward server (POST JSON prompts/completions/labels -> rewards).", ALGO)]
+SkipBadRewards = Annotated[bool, flag("skip_bad_rewards", "Drop samples whose reward failed (error, NaN, timeout) instead of stopping.", ALGO)]
+RewardTimeout = Annotated[float, opt("reward_timeout", "Seconds a reward function or server may take per batch.", ALGO, min=0.1)]
+Temperature = Annotated[float, opt("temperature", "Sampling temperature.", ROLLOUT, min=0.0)]
+TopP = Annotated[float, opt("top_p", "Nucleus sampling.", ROLLOUT, min=0.0, max=1.0)]
+RolloutBatchSize = Annotated[int, opt("rollout_batch_size", "Prompts per RL step.", ROLLOUT, min=1)]
+MicroRolloutBatchSize = Annotated[int, opt("micro_rollout_batch_size", "Sequences per forward pass while generating and scoring.", ROLLOUT, min=1)]
+PackingSamples = Annotated[bool, flag("packing_samples", "Pack sequences into one row without padding.", OPTIM)]
+DryRun = Annotated[bool, flag("dry_run", "Check the options, print the resource plan and exit without loading a model.", CLUSTER)]
+
+
+def role_nodes(role: str):
+    return Annotated[int, opt(f"{role}_num_nodes", f"Nodes for the {role} model.", CLUSTER, min=1)]
+
+
+def role_gpus(role: str):
+    return Annotated[int, opt(f"{role}_num_gpus_per_node", f"GPUs per node for the {role} model (CPU: 0 or 1 = one worker per node).", CLUSTER, min=0)]
+
+
+ActorNodes, ActorGPUs = role_nodes("actor"), role_gpus("actor")
+CriticNodes, CriticGPUs = role_nodes("critic"), role_gpus("critic")
+RefNodes, RefGPUs = role_nodes("ref"), role_gpus("ref")
+RewardNodes, RewardGPUs = role_nodes("reward"), role_gpus("reward")
+ColocateActorRef = Annotated[bool, flag("colocate_actor_ref", "Actor and reference share GPUs.", CLUSTER)]
+ColocateCriticReward = Annotated[bool, flag("colocate_critic_reward", "Critic and reward model share GPUs.", CLUSTER)]
+ColocateAll = Annotated[bool, flag("colocate_all_models", "All models (and vLLM engines) share the actor's GPUs (hybrid engine).", CLUSTER)]
+
+# --- vLLM --------------------------------------------------------------------------------------
+VllmNumEngines = Annotated[int, opt("vllm_num_engines", "vLLM engines for rollouts (0: the policy generates itself).", ROLLOUT, min=0)]
+VllmTP = Annotated[int, opt("vllm_tensor_parallel_size", "GPUs per vLLM engine.", ROLLOUT, min=1)]
+VllmGpuMemUtil = Annotated[float, opt("vllm_gpu_memory_utilization", "Fraction of GPU memory vLLM may take.", ROLLOUT, min=0.0, max=1.0)]
+VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport: nccl | gloo | auto.", ROLLOUT)]
+VllmEnableSleep = Annotated[bool, flag("vllm_enable_sleep", "Put vLLM to sleep while training (hybrid engine; needs --colocate_all_models).", ROLLOUT)]
+EnablePrefixCaching = Annotated[bool, flag("enable_prefix_caching", "vLLM prefix caching.", ROLLOUT)]
+EnforceEager = Annotated[bool, flag("enforce_eager", "Disable CUDA graphs in vLLM.", ROLLOUT)]

@@ -124,7 +124,8 @@ def validate_scores(scores, prompts: list[str], source: str, skip_bad: bool, *,
         i, what = bad[0]
         more = f" ({len(bad)} bad scores in this batch)" if len(bad) > 1 else ""
         raise UserError(f"{source} returned {what} at index {offset + i}, for prompt {offset + i} "
-                        f"{_show(prompts[i])}{more}; return a finite float for every completion")
+                        f"{_show(prompts[i])}{more}; return a finite float for every completion, "
+                        "or pass --skip_bad_rewards to drop such samples")
     return out, len(bad)
 
 
