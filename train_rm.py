@@ -141,7 +141,7 @@ def train(a: dict) -> None:
     log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=a, use_wandb=a["use_wandb"],
                         wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
                         tensorboard_dir=a["use_tensorboard"], plot_keys=("train/loss", "train/acc", "eval/acc"),
-                        title="reward model", start_step=state["step"], append=bool(resume_from))
+                        title="reward model", start_step=state["step"] + 1, append=bool(resume_from))
     log.banner("hybridrl train_rm", {
         "run": {"model": pretrain, "data": f"{train_src} ({len(train_pairs)} pairs)",
                 "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",

@@ -45,8 +45,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_libraries() -> None:
+    """Only the driver prints: keep DeepSpeed's and transformers' own progress bars and info lines out."""
+    import logging
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns that it fell back to CPU
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+
+
 def setup_distributed(timeout_s: float = 1800) -> DistInfo:
     """Join (or create) the process group. Idempotent."""
+    quiet_libraries()
     import deepspeed
 
     # A plain `python script.py` has no launcher: make it a world of one.

@@ -1,0 +1,250 @@
+"""Direct Preference Optimization (DPO, IPO, conservative DPO) from preference pairs, with DeepSpeed.
+
+The policy learns to raise log pi(chosen) - log pi(rejected) relative to a frozen reference
+(a copy of the starting model), with loss -log sigmoid(beta * margin). `--ipo` uses IPO's squared
+loss on length-averaged log-probs; `--label_smoothing` is conservative DPO; `--nll_loss_coef` adds
+an NLL term on the chosen response (as in RPO). The implicit reward beta * (log pi - log pi_ref)
+gives `train/reward_acc`: how often chosen out-scores rejected.
+
+Run book
+    python train_dpo.py                                 # built-in tiny model and task, one CPU process
+    torchrun --nproc_per_node 2 train_dpo.py ...        # several processes (CPU: gloo, GPU: NCCL)
+    deepspeed train_dpo.py --pretrain meta-llama/Meta-Llama-3-8B --dataset prefs.jsonl \
+        --apply_chat_template --chosen_key chosen --rejected_key rejected --beta 0.1 \
+        --zero_stage 3 --bf16 --flash_attn --gradient_checkpointing \
+        --train_batch_size 256 --micro_train_batch_size 2 --max_len 8192 --learning_rate 5e-7
+    sbatch slurm/dpo_8b.sh                              # Slurm, several nodes
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import typer
+
+from common import options as o
+from common.errors import UserError, exit_on_user_error, require
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
+
+
+@app.command(help=__doc__.split("\n\n")[0])
+def main(
+    pretrain: o.Pretrain = None,
+    ref_pretrain: o.RefPretrain = None,
+    bf16: o.BF16 = False,
+    flash_attn: o.FlashAttn = False,
+    gradient_checkpointing: o.GradCkpt = False,
+    dataset: o.Dataset = None,
+    eval_dataset: o.EvalDataset = None,
+    chosen_key: o.ChosenKey = "chosen",
+    rejected_key: o.RejectedKey = "rejected",
+    prompt_key: o.PromptKey = None,
+    apply_chat_template: o.ApplyChatTemplate = False,
+    max_len: o.MaxLen = 512,
+    max_samples: o.MaxSamples = None,
+    beta: o.Beta = 0.1,
+    label_smoothing: o.LabelSmoothing = 0.0,
+    ipo: o.IPO = False,
+    nll_loss_coef: o.NLLLossCoef = 0.0,
+    max_epochs: o.MaxEpochs = 1,
+    max_steps: o.MaxSteps = None,
+    train_batch_size: o.TrainBatchSize = 32,
+    micro_train_batch_size: o.MicroTrainBatchSize = 16,
+    learning_rate: o.LearningRate = 5e-4,
+    lr_warmup_ratio: o.WarmupRatio = 0.03,
+    lr_scheduler: o.LRScheduler = "cosine_with_min_lr",
+    l2: o.WeightDecay = 0.0,
+    adam_betas: o.AdamBetas = (0.9, 0.95),
+    max_norm: o.MaxNorm = 1.0,
+    seed: o.Seed = 42,
+    zero_stage: o.ZeroStage = 2,
+    adam_offload: o.AdamOffload = False,
+    local_rank: o.LocalRank = -1,
+    save_path: o.SavePath = "./output/dpo",
+    save_steps: o.SaveSteps = -1,
+    logging_steps: o.LoggingSteps = 1,
+    eval_steps: o.EvalSteps = -1,
+    ckpt_path: o.CkptPath = None,
+    max_ckpt_num: o.MaxCkptNum = 3,
+    load_checkpoint: o.LoadCheckpoint = False,
+    use_wandb: o.UseWandb = False,
+    wandb_project: o.WandbProject = "hybridrl",
+    wandb_run_name: o.WandbRunName = None,
+    use_tensorboard: o.UseTensorboard = None,
+):
+    options = dict(locals())
+    with exit_on_user_error():
+        require(beta > 0, f"--beta {beta}: must be > 0 (it scales the implicit reward)")
+        require(not (ipo and label_smoothing > 0), "--ipo and --label_smoothing: IPO has no label smoothing; drop one")
+        require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
+        require(train_batch_size % micro_train_batch_size == 0,
+                f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
+        train(options)
+
+
+def train(a: dict) -> None:
+    import torch
+
+    from common import ds
+    from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.data import build_preference_pairs, collate_pairs, iterate_batches, load_rows
+    from common.logger import MetricsLogger, git_commit, versions
+    from common.losses import dpo_loss, nll_loss, sequence_logprobs, token_logprobs
+    from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
+    from common.tasks import preference_rows
+
+    dist = ds.setup_distributed()
+    torch.manual_seed(a["seed"])
+    dtype, dtype_note = ds.resolve_dtype(a["bf16"], dist.device)
+    attn, attn_note = attn_implementation(a["flash_attn"])
+    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
+                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
+                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"])
+    accum = ds.grad_accumulation(settings, dist.world_size)
+
+    # ---- data: the built-in copy task (chat messages) unless --dataset is given
+    pretrain = resolve_pretrain(a["pretrain"])
+    tokenizer = load_tokenizer(pretrain)
+    keys = dict(chosen_key=a["chosen_key"], rejected_key=a["rejected_key"], prompt_key=a["prompt_key"],
+                apply_chat_template=a["apply_chat_template"], max_len=a["max_len"])
+    if a["dataset"] is None:
+        keys.update(chosen_key="chosen", rejected_key="rejected", prompt_key=None, apply_chat_template=True)
+        train_rows, train_src = preference_rows(4000, "train", seed=0), "built-in copy task"
+        eval_rows, eval_src = preference_rows(256, "eval", seed=0), "built-in copy task (held out)"
+    else:
+        train_rows, train_src = load_rows(a["dataset"], max_samples=a["max_samples"]), a["dataset"]
+        eval_rows, eval_src = None, None
+    if a["eval_dataset"] is not None:
+        eval_rows, eval_src = load_rows(a["eval_dataset"], split="test"), a["eval_dataset"]
+    if a["max_samples"] is not None:
+        train_rows = train_rows[: a["max_samples"]]
+    train_pairs, _ = build_preference_pairs(train_rows, train_src, tokenizer, **keys)
+    eval_pairs = build_preference_pairs(eval_rows, eval_src, tokenizer, **keys)[0] if eval_rows else []
+    B = a["train_batch_size"]
+    if len(train_pairs) < B:
+        raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")
+    steps_per_epoch = len(train_pairs) // B
+    total_steps = a["max_steps"] or steps_per_epoch * a["max_epochs"]
+
+    # ---- models: the policy (trained) and the reference (frozen)
+    ds_cfg = ds.train_config(settings, dist.world_size, dtype)
+    _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
+    policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
+    engine = ds.initialize(policy, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
+                           warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
+                           betas=a["adam_betas"], weight_decay=a["l2"])
+    _keep = ds.zero3_loading(ds.eval_config(settings, dtype))  # noqa: F841
+    reference = ds.initialize_eval(load_causal_lm(resolve_pretrain(a["ref_pretrain"] or a["pretrain"]), dtype=dtype,
+                                                  attn_impl=attn), settings, dtype, dist.device)
+
+    # ---- resume
+    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+    state = {"step": 0, "epoch": 0, "step_in_epoch": 0}
+    resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
+    if resume_from:
+        state = load_checkpoint(resume_from, {"policy": engine}, rank=dist.rank)
+
+    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=a, use_wandb=a["use_wandb"],
+                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
+                        tensorboard_dir=a["use_tensorboard"],
+                        plot_keys=("train/loss", "train/reward_acc", "train/reward_margin", "eval/reward_acc"),
+                        title="DPO", start_step=state["step"] + 1, append=bool(resume_from))
+    log.banner("hybridrl train_dpo", {
+        "run": {"model": pretrain, "loss": "IPO" if a["ipo"] else f"DPO (beta {a['beta']}, label smoothing {a['label_smoothing']})",
+                "data": f"{train_src} ({len(train_pairs)} pairs)",
+                "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",
+                "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
+                "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
+                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
+        "versions": versions()})
+    for note in (dtype_note, attn_note):
+        if note:
+            log.warn_once(note, note)
+
+    def logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sequence response log-probs [2B] (mean per token under IPO) and token log-probs [2B, T-1]."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        token_lp = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])
+        return sequence_logprobs(token_lp, batch["loss_mask"][:, 1:], average=a["ipo"]), token_lp
+
+    def pair_loss(pairs) -> tuple[torch.Tensor, dict]:
+        batch = {k: v.to(dist.device) if torch.is_tensor(v) else v
+                 for k, v in collate_pairs(pairs, tokenizer.pad_token_id).items()}
+        b = len(pairs)
+        with torch.no_grad():
+            ref, _ = logps(reference, batch)
+        pol, token_lp = logps(engine, batch)
+        loss, r_c, r_r = dpo_loss(pol[:b], pol[b:], ref[:b], ref[b:], a["beta"],
+                                  label_smoothing=a["label_smoothing"], ipo=a["ipo"])
+        if a["nll_loss_coef"] > 0:
+            loss = loss + a["nll_loss_coef"] * nll_loss(token_lp[:b], batch["loss_mask"][:b, 1:])
+        stats = {"correct": (r_c > r_r).sum().item(), "margin": (r_c - r_r).sum().item(),
+                 "chosen": r_c.sum().item(), "rejected": r_r.sum().item(), "tokens": batch["attention_mask"].sum().item()}
+        return loss, stats
+
+    def evaluate() -> dict:
+        engine.eval()
+        t = torch.zeros(4, dtype=torch.float64)  # loss, correct, margin, count
+        mine = eval_pairs[dist.rank::dist.world_size]
+        with torch.no_grad():
+            for i in range(0, len(mine), a["micro_train_batch_size"]):
+                chunk = mine[i: i + a["micro_train_batch_size"]]
+                loss, s = pair_loss(chunk)
+                t += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], len(chunk)], dtype=torch.float64)
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(t)
+        engine.train()
+        return {"eval/loss": (t[0] / t[3]).item(), "eval/reward_acc": (t[1] / t[3]).item(),
+                "eval/reward_margin": (t[2] / t[3]).item()}
+
+    # ---- train
+    per_rank = B // dist.world_size
+    micro = a["micro_train_batch_size"]
+    step = state["step"]
+    batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
+    engine.train()
+    while step < total_steps:
+        epoch, step_in_epoch, idx = next(batches)
+        t0 = time.perf_counter()
+        mine = [train_pairs[i] for i in idx[dist.rank * per_rank: (dist.rank + 1) * per_rank]]
+        sums = torch.zeros(6, dtype=torch.float64)  # loss, correct, margin, chosen, rejected, tokens
+        for i in range(0, per_rank, micro):
+            chunk = mine[i: i + micro]
+            loss, s = pair_loss(chunk)
+            engine.backward(loss)
+            engine.step()
+            sums += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], s["chosen"], s["rejected"],
+                                  s["tokens"]], dtype=torch.float64)
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        step += 1
+        grad_norm = engine.get_global_grad_norm()
+        dt = time.perf_counter() - t0
+        metrics = {"train/loss": sums[0].item() / B, "train/reward_acc": sums[1].item() / B,
+                   "train/reward_margin": sums[2].item() / B, "train/chosen_reward": sums[3].item() / B,
+                   "train/rejected_reward": sums[4].item() / B, "train/lr": engine.get_lr()[0],
+                   "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                   "time/step_s": dt, "perf/tokens_per_s": sums[5].item() / dt, "train/epoch": epoch}
+        last = step == total_steps
+        epoch_end = step_in_epoch + 1 == steps_per_epoch
+        if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
+                           (a["eval_steps"] <= 0 and epoch_end) or last):
+            metrics.update(evaluate())
+        if step % a["logging_steps"] == 0 or last or "eval/reward_acc" in metrics:
+            log.log(step, metrics)
+        if a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last:
+            pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
+            path = save_checkpoint(ckpt_root, step, {"policy": engine},
+                                   {"step": step, "epoch": pos[0], "step_in_epoch": pos[1]},
+                                   rank=dist.rank, max_keep=a["max_ckpt_num"])
+            log.info(f"checkpoint saved: {path}")
+
+    ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
+    log.info(f"policy saved to {a['save_path']}")
+    log.close()
+
+
+if __name__ == "__main__":
+    app()
