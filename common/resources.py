@@ -1,0 +1,245 @@
+"""Resource plan for the Ray drivers (PPO, GRPO): which role sits on which GPUs, decided up front.
+
+`plan_resources` turns the cluster flags into placement groups before any actor starts, so a bad
+layout fails in a second with the flag to change instead of after minutes of model loading. It is
+pure Python (no ray, no torch): the `--dry_run` banner and the tests call it on any machine.
+
+Layout rules, with OpenRLHF's flag names:
+- every role (actor, critic, ref, reward) is `--{role}_num_nodes` x `--{role}_num_gpus_per_node`
+  workers, one per GPU, forming one torch.distributed group; a role passed as None is absent;
+- `--colocate_actor_ref` / `--colocate_critic_reward` put the second role on the first one's GPUs;
+  `--colocate_all_models` puts every role and the vLLM engines on the actor's GPUs (hybrid engine);
+- roles sharing a placement group share its bundles: bundle i hosts rank i of each of them, and
+  each takes 1/k of the GPU (and of the bundle's CPU) when k occupants share it;
+- on CPU (`use_gpu=False`) a "GPU per node" is one CPU worker: `--actor_num_gpus_per_node 0` or 1
+  both mean one worker per node, and every bundle is {"CPU": 1}.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.errors import UserError
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str
+    num_nodes: int
+    gpus_per_node: int
+    workers: int  # world size of the role's torch.distributed group
+    group: str  # placement group it lives in (roles sharing GPUs share a group)
+    gpu_fraction: float  # GPU per worker: 1.0 alone, 1/k when k occupants share a bundle, 0 on CPU
+    shares: int = 1  # occupants of each of its bundles (roles, plus vLLM when colocated there)
+
+    @property
+    def cpu_fraction(self) -> float:
+        """CPU per worker: each bundle holds one CPU, split between its occupants."""
+        return _fraction(self.shares)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    name: str
+    bundles: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    roles: list[RolePlan]
+    groups: list[PlacementPlan]
+    vllm_engines: int
+    vllm_tp: int
+    vllm_group: str | None  # group the engines are placed in (None: no engines)
+    use_gpu: bool
+    vllm_gpu_fraction: float = 0.0  # GPU per engine worker (1/k when colocated with k roles)
+
+    def role(self, name: str) -> RolePlan | None:
+        return next((r for r in self.roles if r.role == name), None)
+
+    def group(self, name: str) -> PlacementPlan:
+        return next(g for g in self.groups if g.name == name)
+
+    def total(self) -> dict[str, float]:
+        """Resources the whole plan reserves, e.g. {"GPU": 8.0, "CPU": 8.0}."""
+        out: dict[str, float] = {}
+        for g in self.groups:
+            for b in g.bundles:
+                for k, v in b.items():
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def _fraction(k: int) -> float:
+    # Ray keeps resources to 1e-4; rounding down keeps k * (1/k) <= 1 so k actors fit one bundle.
+    return math.floor(10_000 / k) / 10_000
+
+
+def _shape_error(role: str, shape: tuple[int, int], actor_like: str, target: tuple[int, int], flag: str) -> UserError:
+    return UserError(
+        f"{flag} puts {role} on the {actor_like}'s GPUs, but {role} is {shape[0]} node(s) x {shape[1]} GPUs "
+        f"and {actor_like} is {target[0]} x {target[1]}; set --{role}_num_nodes {target[0]} "
+        f"--{role}_num_gpus_per_node {target[1]}, or drop {flag}"
+    )
+
+
+def plan_resources(
+    *,
+    actor: tuple[int, int],
+    critic: tuple[int, int] | None,
+    ref: tuple[int, int] | None,
+    reward: tuple[int, int] | None,
+    vllm_num_engines: int,
+    vllm_tp: int,
+    colocate_actor_ref: bool,
+    colocate_critic_reward: bool,
+    colocate_all_models: bool,
+    use_gpu: bool,
+) -> Plan:
+    """Plan placement groups for the roles and vLLM engines; raise UserError on a bad combination.
+
+    Each role is (num_nodes, gpus_per_node) or None when the algorithm does not use it (no critic in
+    GRPO, no ref when the KL coefficient is 0, no reward model when a function scores answers).
+    `--colocate_actor_ref` with no ref (or `--colocate_critic_reward` without both roles) changes
+    nothing, since there is nothing to share.
+    """
+    shapes = {"actor": actor, "critic": critic, "ref": ref, "reward": reward}
+    present = [r for r in ROLES if shapes[r] is not None]
+    for r in present:
+        nodes, gpus = shapes[r]
+        if nodes < 1:
+            raise UserError(f"--{r}_num_nodes {nodes}: a role needs at least 1 node")
+        if gpus < 0:
+            raise UserError(f"--{r}_num_gpus_per_node {gpus}: must be 0 or more")
+        if use_gpu and gpus == 0:
+            raise UserError(
+                f"--{r}_num_gpus_per_node 0: on a GPU cluster every role needs at least 1 GPU per node"
+            )
+    if vllm_tp < 1:
+        raise UserError(f"--vllm_tensor_parallel_size {vllm_tp}: must be 1 or more")
+    if vllm_num_engines < 0:
+        raise UserError(f"--vllm_num_engines {vllm_num_engines}: must be 0 or more (0: no vLLM engines)")
+
+    def workers(r: str) -> int:
+        nodes, gpus = shapes[r]
+        return nodes * (gpus if use_gpu else max(gpus, 1))
+
+    bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+    vllm_workers = vllm_num_engines * vllm_tp
+
+    # Which roles share whose group: members[leader] lists the roles in the leader's group.
+    members: dict[str, list[str]] = {}
+    vllm_group: str | None = None
+    if colocate_all_models:
+        for r in present[1:]:
+            if shapes[r] != actor:
+                raise _shape_error(r, shapes[r], "actor", actor, "--colocate_all_models")
+        if vllm_num_engines and vllm_workers != workers("actor"):
+            raise UserError(
+                f"--colocate_all_models puts the vLLM engines on the actor's GPUs: --vllm_num_engines x "
+                f"--vllm_tensor_parallel_size ({vllm_num_engines} x {vllm_tp} = {vllm_workers}) must equal "
+                f"actor nodes x GPUs per node ({actor[0]} x {actor[1]} = {workers('actor')}); e.g. "
+                f"--vllm_num_engines {max(workers('actor') // vllm_tp, 1)} with --vllm_tensor_parallel_size "
+                f"{vllm_tp if workers('actor') % vllm_tp == 0 else 1}"
+            )
+        members["actor"] = list(present)
+    else:
+        members["actor"] = ["actor"]
+        if ref is not None:
+            if colocate_actor_ref:
+                if ref != actor:
+                    raise _shape_error("ref", ref, "actor", actor, "--colocate_actor_ref")
+                members["actor"].append("ref")
+            else:
+                members["ref"] = ["ref"]
+        if critic is not None:
+            members["critic"] = ["critic"]
+        if reward is not None:
+            if colocate_critic_reward and critic is not None:
+                if reward != critic:
+                    raise _shape_error("reward", reward, "critic", critic, "--colocate_critic_reward")
+                members["critic"].append("reward")
+            else:
+                members["reward"] = ["reward"]
+
+    roles: list[RolePlan] = []
+    groups: list[PlacementPlan] = []
+    vllm_fraction = 0.0
+    for leader, names in members.items():
+        engines_here = colocate_all_models and vllm_num_engines > 0
+        name = "+".join(names + (["vllm"] if engines_here else []))
+        shares = len(names) + (1 if engines_here else 0)
+        groups.append(PlacementPlan(name, [dict(bundle) for _ in range(workers(leader))]))
+        frac = _fraction(shares) if use_gpu else 0.0
+        for r in names:
+            roles.append(RolePlan(r, shapes[r][0], shapes[r][1], workers(r), name, frac, shares))
+        if engines_here:
+            vllm_group, vllm_fraction = name, frac
+    if vllm_num_engines and vllm_group is None:
+        vllm_group = "vllm"
+        vllm_fraction = 1.0 if use_gpu else 0.0
+        groups.append(PlacementPlan("vllm", [dict(bundle) for _ in range(vllm_workers)]))
+    roles.sort(key=lambda p: ROLES.index(p.role))
+    return Plan(roles, groups, vllm_num_engines, vllm_tp, vllm_group, use_gpu, vllm_fraction)
+
+
+def _group_flags(plan: Plan, group: str) -> list[str]:
+    if group == "vllm":
+        return ["--vllm_num_engines"]
+    unit = "num_gpus_per_node" if plan.use_gpu else "num_nodes"
+    return [f"--{r.role}_{unit}" for r in plan.roles if r.group == group]
+
+
+def check_fits(plan: Plan, available: dict[str, float]) -> None:
+    """Compare the plan's totals with `available` (e.g. `ray.cluster_resources()`); UserError if short."""
+    need = plan.total()
+    for key, label in (("GPU", "GPUs"), ("CPU", "CPUs")):
+        want, have = need.get(key, 0.0), available.get(key, 0.0)
+        if want <= have + 1e-6:
+            continue
+        parts = [(g.name, sum(b.get(key, 0.0) for b in g.bundles)) for g in plan.groups]
+        parts = [(n, v) for n, v in parts if v]
+        biggest = max(reversed(parts), key=lambda p: p[1])[0]  # ties: not the actor's
+        fixes = f"lower {' or '.join(_group_flags(plan, biggest))} or add nodes"
+        if len(plan.groups) > 1:
+            fixes += ", or use --colocate_all_models"
+        if not plan.use_gpu:
+            # Logical CPUs may exceed the physical ones: workers of a CPU run mostly wait on each other.
+            fixes += " (or start the cluster with more logical CPUs: `ray start --num-cpus N`)"
+        raise UserError(
+            f"the plan needs {want:g} {label} ({', '.join(f'{n} {v:g}' for n, v in parts)}) but the Ray "
+            f"cluster has {have:g}; {fixes}"
+        )
+
+
+def plan_rows(plan: Plan) -> list[dict[str, str]]:
+    """Rows for the startup banner's table: role, nodes, GPUs/node, workers, colocated with, placement."""
+    rows = []
+    for r in plan.roles:
+        mates = [o.role for o in plan.roles if o.group == r.group and o.role != r.role]
+        if plan.vllm_group == r.group:
+            mates.append("vllm")
+        share = f", {r.gpu_fraction:g} GPU each" if plan.use_gpu else ""
+        rows.append({
+            "role": r.role,
+            "nodes": str(r.num_nodes),
+            "GPUs/node": str(r.gpus_per_node) if plan.use_gpu else f"{r.gpus_per_node} (CPU: {r.workers // r.num_nodes} worker/node)",
+            "workers": str(r.workers),
+            "colocated with": ", ".join(mates) or "-",
+            "placement": f"group {r.group}: bundles 0-{r.workers - 1}{share}",
+        })
+    if plan.vllm_engines:
+        n = plan.vllm_engines * plan.vllm_tp
+        mates = [o.role for o in plan.roles if o.group == plan.vllm_group]
+        share = f", {plan.vllm_gpu_fraction:g} GPU each" if plan.use_gpu else ""
+        rows.append({
+            "role": "vllm",
+            "nodes": "-",
+            "GPUs/node": f"{plan.vllm_engines} engines x TP {plan.vllm_tp}",
+            "workers": str(n),
+            "colocated with": ", ".join(mates) or "-",
+            "placement": f"group {plan.vllm_group}: bundles 0-{n - 1}{share}",
+        })
+    return rows
