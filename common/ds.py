@@ -7,6 +7,7 @@ backend is used, so everything here runs on a laptop CPU.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -172,13 +173,18 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in n.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 shard is flat: use its full shape
+            (no_decay if ndim < 2 or "norm" in n.lower() else decay).append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
     opt = _optimizer(groups, s, lr, betas, weight_decay)
     kwargs = {"min_lr_rate": 0.1} if scheduler == "cosine_with_min_lr" else {}
-    sched = get_scheduler(scheduler, opt, num_warmup_steps=int(warmup_ratio * total_steps),
-                          num_training_steps=max(total_steps, 1), scheduler_specific_kwargs=kwargs)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+
+    def make_scheduler(wrapped):  # built on DeepSpeed's wrapped optimizer, whose groups it steps
+        return get_scheduler(scheduler, wrapped, num_warmup_steps=int(warmup_ratio * total_steps),
+                             num_training_steps=max(total_steps, 1), scheduler_specific_kwargs=kwargs)
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=make_scheduler,
                                       config=train_config(s, dist.world_size, dtype))
     return engine
 
@@ -211,8 +217,10 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
                 out[name] = p.detach().to("cpu", copy=True)
         else:
             out[name] = p.detach().to("cpu", copy=True)
+    transient = {f"{m}.{b}" if m else b for m, sub in module.named_modules() for b in sub._non_persistent_buffers_set}
     for name, b in module.named_buffers():
-        out[name] = b.detach().to("cpu", copy=True)
+        if name not in transient:  # e.g. rotary caches are rebuilt at load; saving them confuses loaders
+            out[name] = b.detach().to("cpu", copy=True)
     return out
 
 
@@ -224,7 +232,18 @@ def save_hf(model, tokenizer, path: str, rank: int, dtype: torch.dtype | None = 
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         os.makedirs(path, exist_ok=True)
+        cfg_path = os.path.join(path, "config.json")
+        run_options = None
+        if os.path.exists(cfg_path):  # the logger's record of the run's options: keep it
+            with open(cfg_path) as f:
+                run_options = json.load(f).get("hybridrl")
         module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if run_options is not None:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["hybridrl"] = run_options
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     if torch.distributed.is_initialized():

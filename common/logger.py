@@ -7,7 +7,7 @@ Files in the run folder:
 - `metrics.jsonl`: one object per `log` call, `{"step": 12, "time": <unix s>, "train/loss": 0.69}`;
   non-finite values are written as `null` so every line stays valid JSON. Flushed per line, so a
   killed run keeps everything it logged.
-- `config.json`: the resolved options, written once at start.
+- `config.json`: the resolved options under its "hybridrl" key, written once at start.
 - `curves.png`: the `plot_keys` curves against step, written by `close()`.
 
 On a terminal the console shows a rich progress bar; elsewhere (Slurm logs, CI, pytest) one plain,
@@ -131,7 +131,16 @@ class MetricsLogger:
 
         self.save_path.mkdir(parents=True, exist_ok=True)
         cfg = json.loads(json.dumps(config or {}, default=_jsonable))
-        (self.save_path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        # The final model is saved in this folder too, and its config.json is the model's: the run's
+        # options live under the "hybridrl" key of the same file (kept when the model is saved).
+        cfg_path = self.save_path / "config.json"
+        try:
+            existing = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except ValueError:
+            existing = {}
+        existing = existing if isinstance(existing, dict) else {}
+        existing["hybridrl"] = cfg
+        cfg_path.write_text(json.dumps(existing, indent=2) + "\n")
         self.metrics_path = self.save_path / "metrics.jsonl"
         if append:
             self._drop_steps_from(start_step)

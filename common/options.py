@@ -2,7 +2,7 @@
 
 Each script declares the options it uses with its own defaults, e.g.
 `save_path: o.SavePath = "./output/rm"`. Every flag keeps the reference spelling
-(`--micro_train_batch_size`) and takes the dashed spelling as an alias. This module must stay
+(`--micro_train_batch_size`). This module must stay
 light: `--help` imports it and must not import torch.
 """
 from __future__ import annotations
@@ -16,11 +16,8 @@ OPTIM, DS, CLUSTER, LOG = "Optimization", "DeepSpeed", "Cluster (Ray)", "Logging
 
 
 def opt(name: str, help: str, panel: str, **kw) -> typer.models.OptionInfo:
-    """An option named `--name` with the dashed alias `--na-me` (when it differs)."""
-    names = [f"--{name}"]
-    if "_" in name:
-        names.append(f"--{name.replace('_', '-')}")
-    return typer.Option(*names, help=help, rich_help_panel=panel, **kw)
+    """An option spelled `--name` exactly (no dashed alias: it would double the width of --help)."""
+    return typer.Option(f"--{name}", help=help, rich_help_panel=panel, **kw)
 
 
 def flag(name: str, help: str, panel: str) -> typer.models.OptionInfo:
@@ -70,7 +67,7 @@ Seed = Annotated[int, opt("seed", "Random seed (data order, sampling, init of ne
 # --- DeepSpeed ---------------------------------------------------------------------------------
 ZeroStage = Annotated[int, opt("zero_stage", "DeepSpeed ZeRO stage 0-3.", DS)]
 AdamOffload = Annotated[bool, flag("adam_offload", "Keep Adam states in CPU memory (DeepSpeedCPUAdam).", DS)]
-LocalRank = Annotated[int, typer.Option("--local_rank", "--local-rank", hidden=True, help="Set by the deepspeed launcher.")]
+LocalRank = Annotated[int, typer.Option("--local_rank", hidden=True, help="Set by the deepspeed launcher.")]
 DeepSpeedSleep = Annotated[bool, flag("deepspeed_enable_sleep", "Offload DeepSpeed states between phases (hybrid engine).", DS)]
 
 # --- Logging & checkpoints ---------------------------------------------------------------------

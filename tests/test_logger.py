@@ -50,7 +50,7 @@ def test_metrics_jsonl_and_config(tmp_path):
     assert recs[0]["train/loss"] == 0.5 and recs[0]["train/acc"] == 1.0
     assert recs[1]["train/loss"] is None and recs[1]["eval/acc"] is None
     assert all(isinstance(r["time"], float) for r in recs)
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["hybridrl"]
     assert saved["lr"] == 1e-6 and saved["model"] == "/models/tiny" and saved["mode"] == "fast"
     assert saved["seeds"] == [1, 3] and saved["obj"].startswith("<object")
 

@@ -1,0 +1,40 @@
+"""Shared test utilities: running the scripts as a user would, and reading their metrics back."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("HF_HUB_OFFLINE", "1")
+    e.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
+    e["PYTHONUNBUFFERED"] = "1"
+    e["COLUMNS"] = "200"  # rich wraps --help at the terminal width
+    return e
+
+
+def run(args: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command from the repo root; on failure show its output tail."""
+    p = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(args[:3])} ... exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}")
+    return p
+
+
+def script(name: str, *flags: str, **kw) -> subprocess.CompletedProcess:
+    return run([PY, os.path.join(ROOT, name), *flags], **kw)
+
+
+def metrics(save_path: str) -> list[dict]:
+    with open(os.path.join(save_path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last(rows: list[dict], key: str) -> float:
+    return [r[key] for r in rows if r.get(key) is not None][-1]

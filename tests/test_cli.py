@@ -1,0 +1,39 @@
+"""The command lines: --help of each script, flag spelling, and the user's reference commands."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import PY, ROOT, env, script
+
+SCRIPTS = ["train_rm.py", "train_dpo.py", "train_ppo.py", "train_grpo.py"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_lists_panels_and_reference_flags(name):
+    p = script(name, "--help")
+    out = p.stdout
+    for panel in ("Model", "Optimization", "DeepSpeed", "Logging & checkpoints"):
+        assert panel in out, f"{name} --help has no {panel} panel"
+    for flag in ("--pretrain", "--save_path", "--zero_stage", "--micro_train_batch_size", "--bf16", "--flash_attn"):
+        assert flag in out, f"{name} --help does not show {flag}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_does_not_import_heavy_packages(name):
+    code = (f"import sys; sys.argv = ['{name}', '--help']; import runpy\n"
+            f"try:\n    runpy.run_path('{ROOT}/{name}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    p = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in p.stdout, p.stdout[-500:] + p.stderr[-500:]
+
+
+def test_local_rank_is_accepted_and_bad_flags_say_what_to_change(tmp_path):
+    # --local_rank=N is what the deepspeed launcher appends.
+    p = script("train_rm.py", "--local_rank=0", "--zero_stage", "7", "--save_path", str(tmp_path), check=False)
+    assert p.returncode == 2
+    assert "--zero_stage 7" in p.stderr and "stages 0, 1, 2 and 3" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -1,0 +1,156 @@
+"""Reward model and DPO end to end on CPU with the real DeepSpeed: learning, saving, resuming,
+several processes, the user's reference commands, and bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import PY, ROOT, last, metrics, run, script
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from common.tiny import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def pref_file(tmp_path_factory):
+    """A preference file in OpenRLHF's format (chosen/rejected message lists)."""
+    from common.tasks import preference_rows
+
+    path = tmp_path_factory.mktemp("data") / "prefs.jsonl"
+    with open(path, "w") as f:
+        for row in preference_rows(256, "train", seed=3):
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_rm_learns_the_builtin_task_and_saves_a_loadable_model(tmp_path, tiny):
+    out = str(tmp_path / "rm")
+    script("train_rm.py", "--save_path", out, "--max_steps", "120", "--eval_steps", "60", "--zero_stage", "2")
+    rows = metrics(out)
+    evals = [r["eval/acc"] for r in rows if "eval/acc" in r]
+    assert len(evals) == 2 and evals[-1] >= 0.9, evals
+    assert rows[0]["train/loss"] == pytest.approx(0.6931, abs=0.02)  # a new head scores both the same
+    assert last(rows, "train/loss") < 0.4
+    assert os.path.exists(os.path.join(out, "curves.png")) and os.path.exists(os.path.join(out, "config.json"))
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.models import load_reward_model, reward_scores
+    from common.tasks import preference_rows
+
+    model = load_reward_model(out)
+    assert isinstance(model, AutoModelForSequenceClassification._model_mapping[type(model.config)])
+    tok = AutoTokenizer.from_pretrained(out)
+    rows = preference_rows(64, "eval", seed=5)
+    # scored at the end-of-turn token, as in training (the template's trailing newline is not part of it)
+    texts = [tok.apply_chat_template(row[k], tokenize=False).rstrip() for row in rows for k in ("chosen", "rejected")]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        scores = reward_scores(model, enc["input_ids"], enc["attention_mask"]).view(-1, 2)
+    assert (scores[:, 0] > scores[:, 1]).float().mean() >= 0.85  # the saved model keeps what it learned
+
+
+def test_dpo_learns_the_builtin_task_first_loss_is_ln2(tmp_path, tiny):
+    out = str(tmp_path / "dpo")
+    script("train_dpo.py", "--save_path", out, "--max_steps", "30", "--eval_steps", "30")
+    rows = metrics(out)
+    assert rows[0]["train/loss"] == pytest.approx(0.693147, abs=1e-4)  # policy == reference at step 1
+    assert last(rows, "eval/reward_acc") >= 0.8
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time", "perf")) and k != "time"} for r in rows]
+
+
+@pytest.mark.parametrize("name", ["train_rm.py", "train_dpo.py"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny, name):
+    full = str(tmp_path / "full")
+    flags = ["--max_steps", "6", "--save_steps", "3", "--eval_steps", "3", "--train_batch_size", "16",
+             "--micro_train_batch_size", "8", "--max_samples", "200"]
+    script(name, "--save_path", full, *flags)
+    assert os.path.isdir(os.path.join(full, "checkpoints", "step00000003"))
+    resumed = str(tmp_path / "resumed")
+    script(name, "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint", *flags)
+    a, b = _comparable(metrics(full)), _comparable(metrics(resumed))
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert a[3:] == b  # bit-identical on CPU: same weights, optimizer, schedule, data position and RNG
+
+
+def test_zero3_two_processes_torchrun(tmp_path, tiny, pref_file):
+    out = str(tmp_path / "rm3")
+    run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", "29531", os.path.join(ROOT, "train_rm.py"), "--save_path", out, "--zero_stage", "3",
+         "--dataset", pref_file, "--apply_chat_template", "--max_steps", "4", "--train_batch_size", "16",
+         "--micro_train_batch_size", "4"], timeout=600)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["hybridrl"]["zero_stage"] == 3 and cfg["model_type"] == "qwen2"  # run options + model config
+    from common.models import load_reward_model
+
+    model = load_reward_model(out)  # gathered from the two shards into full tensors
+    assert model.score.weight.shape[1] == model.config.hidden_size
+
+
+def test_dpo_zero3_two_processes_deepspeed_launcher(tmp_path, tiny, pref_file):
+    out = str(tmp_path / "dpo3")
+    run([os.path.join(os.path.dirname(PY), "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
+         "--master_port", "29533", os.path.join(ROOT, "train_dpo.py"), "--save_path", out, "--zero_stage", "3",
+         "--dataset", pref_file, "--apply_chat_template", "--max_steps", "3", "--train_batch_size", "16",
+         "--micro_train_batch_size", "4"], timeout=600)
+    rows = metrics(out)
+    assert rows[0]["train/loss"] == pytest.approx(0.693147, abs=1e-4)
+    assert len(rows) == 3
+
+
+REFERENCE_RM = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_batch_size 256
+  --micro_train_batch_size 1 --pretrain {model} --bf16 --max_epochs 1 --max_len 8192
+  --zero_stage 3 --learning_rate 9e-6 --dataset {data} --apply_chat_template --chosen_key chosen
+  --rejected_key rejected --flash_attn --gradient_checkpointing"""
+REFERENCE_DPO = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_batch_size 256
+  --micro_train_batch_size 2 --pretrain {model} --bf16 --max_epochs 1 --max_len 8192
+  --zero_stage 3 --learning_rate 5e-7 --beta 0.1 --dataset {data} --apply_chat_template --chosen_key chosen
+  --rejected_key rejected --flash_attn --gradient_checkpointing"""
+
+
+@pytest.mark.parametrize("name,flags", [("train_rm.py", REFERENCE_RM), ("train_dpo.py", REFERENCE_DPO)])
+def test_reference_commands_run_under_the_deepspeed_launcher(tmp_path, tiny, pref_file, name, flags):
+    """The user's reference commands, model and dataset replaced by local ones, as spelled there."""
+    out = str(tmp_path / "out")
+    args = flags.format(model=tiny, data=pref_file).split() + ["--save_path", out]
+    p = run([os.path.join(os.path.dirname(PY), "deepspeed"), "--num_gpus", "1", "--master_addr", "127.0.0.1",
+             "--master_port", "29535", os.path.join(ROOT, name), *args], timeout=600)
+    text = p.stdout + p.stderr
+    assert "no native bf16" in text or "bfloat16" in text  # --bf16 either used or its fallback said once
+    assert "flash-attention is not available" in text
+    assert len(metrics(out)) == 1  # 256 pairs / batch 256 = one step
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+
+
+@pytest.mark.parametrize("content,expect", [
+    (None, "not found"),
+    ('{"chosen": "a", "rejected": "b"}\n{"chosen": "a", "rejected": \n', "line 2"),
+    ('{"chosen": "a", "rej": "b"}\n', "--rejected_key"),
+    ('{"chosen": 5, "rejected": "b"}\n', "row 1"),
+    ("", "no rows"),
+])
+def test_bad_dataset_stops_with_one_clear_message(tmp_path, tiny, content, expect):
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_text(content)
+    out = tmp_path / "out"
+    p = script("train_rm.py", "--dataset", str(data), "--save_path", str(out), check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "data.jsonl" in p.stderr and expect in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
