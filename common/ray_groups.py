@@ -11,6 +11,7 @@ torch is imported only inside the workers; ray is imported lazily so `--help` st
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -59,7 +60,10 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> dict:
             # a `ray start` cluster on this machine (Ray 2.60 turns token auth on by default).
             ray.init(**kwargs)
         else:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+            # A cluster of our own on this machine: no other client will join it, so Ray's token
+            # auth (on by default since 2.60) only adds a warning line.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
     except (ray.exceptions.AuthenticationError, ConnectionError, RuntimeError) as e:
         if not existing:
             raise
@@ -268,12 +272,15 @@ class RoleGroup:
         """Call `method` with the same arguments on every rank; results in rank order."""
         return get(self.async_call(method, *args, **kwargs), self.timeout_s, f"{self.role}.{method}")
 
-    def call_per_rank(self, method: str, args_per_rank: list[tuple], **kwargs) -> list:
-        """Rank i gets `*args_per_rank[i]` (and the same kwargs); results in rank order."""
+    def async_call_per_rank(self, method: str, args_per_rank: list[tuple], **kwargs) -> list:
+        """Rank i gets `*args_per_rank[i]` (and the same kwargs); returns the ObjectRefs in rank order."""
         if len(args_per_rank) != len(self.actors):
             raise ValueError(f"{self.role}.{method}: {len(args_per_rank)} argument tuples for {len(self.actors)} ranks")
-        refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, args_per_rank)]
-        return get(refs, self.timeout_s, f"{self.role}.{method}")
+        return [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, args_per_rank)]
+
+    def call_per_rank(self, method: str, args_per_rank: list[tuple], **kwargs) -> list:
+        """Rank i gets `*args_per_rank[i]` (and the same kwargs); results in rank order."""
+        return get(self.async_call_per_rank(method, args_per_rank, **kwargs), self.timeout_s, f"{self.role}.{method}")
 
     def shutdown(self) -> None:
         import ray

@@ -1,0 +1,110 @@
+"""Rollouts: samples as token ids, their padded batch form, and generation by the policy itself.
+
+Token ids stay token ids end to end; text is decoded once, only for rewards that need it.
+Every rollout backend (the policy's own `generate`, vLLM engines) returns the same `Samples`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Samples:
+    """N generated samples; sample i answers prompt `prompt_index[i]`."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    prompt_index: list[int]
+    truncated: list[bool]                      # hit the length limit before eos
+    logprobs: list[list[float]] | None = None  # the generator's log-prob of each response token, if known
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, keep: list[int]) -> "Samples":
+        return Samples([self.prompt_ids[i] for i in keep], [self.response_ids[i] for i in keep],
+                       [self.prompt_index[i] for i in keep], [self.truncated[i] for i in keep],
+                       None if self.logprobs is None else [self.logprobs[i] for i in keep])
+
+
+def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response rows.
+
+    input_ids, attention_mask: [N, T]; action_mask: [N, T-1], 1 where input_ids[:, 1:] is a response
+    token (aligned with log-probs of logits[:, :-1]); gen_logprobs: [N, T-1] when the generator gave them.
+    """
+    seqs = [p + r for p, r in zip(samples.prompt_ids, samples.response_ids)]
+    T = max(len(s) for s in seqs)
+    N = len(seqs)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, T), dtype=torch.long)
+    action = torch.zeros((N, T - 1), dtype=torch.float32)
+    gen_lp = torch.zeros((N, T - 1), dtype=torch.float32) if samples.logprobs is not None else None
+    for i, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids)):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        attn[i, :n] = 1
+        action[i, len(p) - 1: n - 1] = 1
+        if gen_lp is not None:
+            gen_lp[i, len(p) - 1: n - 1] = torch.tensor(samples.logprobs[i], dtype=torch.float32)
+    batch = {"input_ids": ids, "attention_mask": attn, "action_mask": action}
+    if gen_lp is not None:
+        batch["gen_logprobs"] = gen_lp
+    return batch
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every [N, ...] tensor into `parts` equal row blocks (N must divide evenly)."""
+    N = next(iter(batch.values())).shape[0]
+    assert N % parts == 0, f"{N} rows do not split into {parts} equal parts"
+    k = N // parts
+    return [{key: v[i * k:(i + 1) * k] for key, v in batch.items()} for i in range(parts)]
+
+
+def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop padding columns no row of this (micro-)batch uses: [*, T] -> [*, t], [*, T-1] -> [*, t-1]."""
+    T_full = batch["input_ids"].shape[1]
+    T = int(batch["attention_mask"].sum(1).max())
+    out = {}
+    for k, v in batch.items():
+        if v.dim() >= 2 and v.shape[1] == T_full:
+            out[k] = v[:, :T]
+        elif v.dim() >= 2 and v.shape[1] == T_full - 1:
+            out[k] = v[:, : T - 1]
+        else:
+            out[k] = v
+    return out
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
+                max_new_tokens: int, eos_id: int, pad_id: int, micro_batch: int, synced_gpus: bool = False,
+                greedy: bool = False) -> Samples:
+    """Sample n responses per prompt with transformers' `generate` (left-padded prompt batches)."""
+    device = next(model.parameters()).device
+    out_p, out_r, out_i, out_t = [], [], [], []
+    for start in range(0, len(prompt_ids), micro_batch):
+        chunk = prompt_ids[start: start + micro_batch]
+        L = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for j, p in enumerate(chunk):
+            ids[j, L - len(p):] = torch.tensor(p)
+            mask[j, L - len(p):] = 1
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
+                             temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
+                             top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
+                             num_return_sequences=n, eos_token_id=eos_id, pad_token_id=pad_id,
+                             synced_gpus=synced_gpus, use_cache=True)
+        gen = gen[:, L:].tolist()
+        for k, row in enumerate(gen):
+            j = k // n
+            resp = row[: row.index(eos_id) + 1] if eos_id in row else [t for t in row if t != pad_id]
+            out_p.append(chunk[j])
+            out_r.append(resp)
+            out_i.append(start + j)
+            out_t.append(eos_id not in row)
+    return Samples(out_p, out_r, out_i, out_t)

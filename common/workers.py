@@ -1,0 +1,186 @@
+"""The Ray worker that hosts one model of one role (actor, critic, reference or reward).
+
+A role is a group of these workers forming one DeepSpeed process group (`common.ray_groups`).
+The driver (the script) sends each rank its shard of a batch; the worker runs forward passes in
+micro-batches and, for trained roles, optimizer steps with a loss function that the script passes in
+(`loss_fn`), so an edited copy of a script changes training without touching this module.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.ray_groups import BaseWorker
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker loads. kind: "causal_lm" (actor, reference) or "value" (reward model, critic)."""
+
+    path: str
+    kind: str
+    trainable: bool
+    ds: object                   # common.ds.DSSettings
+    bf16: bool = False
+    flash_attn: bool = False
+    seed: int = 42
+    temperature: float = 1.0     # log-probs are taken of logits / temperature, as sampled
+    packing: bool = False
+    optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
+
+
+class ModelWorker(BaseWorker):
+    def setup(self, spec: ModelSpec) -> dict:
+        from common import ds
+        from common.models import attn_implementation, load_causal_lm, load_reward_model, load_tokenizer
+
+        self.spec = spec
+        self.dist = ds.setup_distributed()
+        torch.manual_seed(spec.seed)
+        self.dtype, dtype_note = ds.resolve_dtype(spec.bf16, self.dist.device)
+        attn, attn_note = attn_implementation(spec.flash_attn)
+        self.tokenizer = load_tokenizer(spec.path)
+        settings = spec.ds
+        cfg = ds.train_config(settings, self.dist.world_size, self.dtype) if spec.trainable else ds.eval_config(settings, self.dtype)
+        _keep = ds.zero3_loading(cfg)  # noqa: F841  (must outlive from_pretrained)
+        load_dtype = torch.float32 if spec.trainable else self.dtype
+        if spec.kind == "causal_lm":
+            model = load_causal_lm(spec.path, dtype=load_dtype, attn_impl=attn)
+        else:
+            model = load_reward_model(spec.path, dtype=load_dtype, attn_impl=attn, pad_token_id=self.tokenizer.pad_token_id)
+        if spec.trainable:
+            self.model = ds.initialize(model, settings, self.dist, self.dtype, **spec.optim)
+        else:
+            self.model = ds.initialize_eval(model, settings, self.dtype, self.dist.device)
+        return {"notes": [n for n in (dtype_note, attn_note) if n], "device": str(self.dist.device),
+                "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())}
+
+    # ---------------------------------------------------------------- forward passes
+    def _to(self, batch: dict) -> dict:
+        return {k: v.to(self.dist.device) for k, v in batch.items()}
+
+    def _token_logprobs(self, micro: dict, entropy: bool = False):
+        """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1])."""
+        from common.losses import token_entropy, token_logprobs
+
+        logits = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, :-1]
+        if self.spec.temperature != 1.0:
+            logits = logits / self.spec.temperature
+        lp = token_logprobs(logits, micro["input_ids"][:, 1:])
+        return lp, (token_entropy(logits) if entropy else None)
+
+    def _token_values(self, micro: dict) -> torch.Tensor:
+        """Critic values at the positions that predict each next token: [b, t-1]."""
+        from common.models import token_values
+
+        return token_values(self.model, micro["input_ids"], micro["attention_mask"])[:, :-1]
+
+    def _micro_batches(self, batch: dict, size: int):
+        from common.rollout import trim
+
+        N = batch["input_ids"].shape[0]
+        for i in range(0, N, size):
+            yield i, self._to(trim({k: v[i: i + size] for k, v in batch.items()}))
+
+    def _pad_to(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict, micro_batch: int) -> torch.Tensor:
+        """[n, T-1] log-probs of this rank's shard (zeros off the action mask)."""
+        self.model.eval()
+        out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
+               for _, m in self._micro_batches(batch, micro_batch)]
+        return torch.cat(out) * batch["action_mask"]
+
+    @torch.no_grad()
+    def values(self, batch: dict, micro_batch: int) -> torch.Tensor:
+        self.model.eval()
+        out = [self._pad_to(self._token_values(m).float().cpu(), batch["input_ids"].shape[1] - 1)
+               for _, m in self._micro_batches(batch, micro_batch)]
+        return torch.cat(out) * batch["action_mask"]
+
+    @torch.no_grad()
+    def rewards(self, batch: dict, micro_batch: int) -> torch.Tensor:
+        """[n] scores: the scalar head at each sequence's last real token."""
+        from common.models import reward_scores
+
+        self.model.eval()
+        return torch.cat([reward_scores(self.model, m["input_ids"], m["attention_mask"]).float().cpu()
+                          for _, m in self._micro_batches(batch, micro_batch)])
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: dict, seed: int):
+        """Sample with transformers' generate (the rollout path without vLLM)."""
+        from common.rollout import hf_generate
+
+        torch.manual_seed(seed)
+        self.model.eval()
+        module = getattr(self.model, "module", self.model)
+        synced = self.spec.ds.zero_stage == 3 and self.dist.world_size > 1  # all ranks step together under ZeRO-3
+        return hf_generate(module, prompt_ids, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                           synced_gpus=synced, **sampling)
+
+    # ---------------------------------------------------------------- training
+    def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False) -> list[dict]:
+        """`steps` optimizer steps over this rank's shard, split evenly; returns one stats dict per step.
+
+        loss_fn(out, micro) -> (loss, stats): `out` is {"logprobs": [b, t-1], "entropy": ...} for a
+        causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors.
+        """
+        self.model.train()
+        N = batch["input_ids"].shape[0]
+        per_step = N // steps
+        history = []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            part = {k: v[s * per_step:(s + 1) * per_step] for k, v in batch.items()}
+            acc: dict[str, float] = {}
+            n_micro = 0
+            for _, micro in self._micro_batches(part, micro_batch):
+                if output == "logprobs":
+                    lp, ent = self._token_logprobs(micro, entropy)
+                    out = {"logprobs": lp, "entropy": ent}
+                else:
+                    out = {"values": self._token_values(micro)}
+                loss, stats = loss_fn(out, micro)
+                self.model.backward(loss)
+                self.model.step()
+                n_micro += 1
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0.0) + float(v)
+            stats = {k: v / n_micro for k, v in acc.items()}
+            norm = self.model.get_global_grad_norm()
+            stats["grad_norm"] = float(norm) if norm is not None else float("nan")
+            stats["lr"] = self.model.get_lr()[0]
+            stats["step_s"] = time.perf_counter() - t0
+            history.append(stats)
+        return history
+
+    # ---------------------------------------------------------------- saving
+    def save_hf(self, path: str) -> None:
+        from common import ds
+
+        ds.save_hf(self.model, self.tokenizer, path, self.dist.rank)
+
+    def save_checkpoint(self, root: str, step: int, state: dict, max_keep: int) -> str:
+        from common.checkpoint import save_checkpoint
+
+        return save_checkpoint(root, step, {self.role: self.model}, state, rank=self.dist.rank, max_keep=max_keep)
+
+    def load_checkpoint(self, path: str) -> dict:
+        from common.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
+
+    def full_state_dict(self) -> dict:
+        """Gathered weights on CPU (collective under ZeRO-3): for pushing to rollout engines."""
+        from common import ds
+
+        return ds.full_state_dict(self.model)
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,449 @@
+"""GRPO (and REINFORCE++, RLOO, Dr. GRPO) on Ray actor groups: online RL without a critic.
+
+Each step: sample n responses per prompt, score them (reward model, Python function, or HTTP
+server), compute log-probs of the old policy and the reference, turn group-relative scores into
+advantages, take clipped policy-gradient steps, and push the new weights to the rollout side.
+`--advantage_estimator` picks how scores become advantages: group_norm (GRPO: (r - mean) / std
+within the prompt's group), dr_grpo (no std, constant-length normaliser), rloo (leave-one-out
+baseline), reinforce_baseline (group mean, then batch whitening), reinforce (REINFORCE++: token
+returns with the KL in the reward, whitened over the batch). `--use_kl_loss` moves the KL from the
+reward into the loss, as the GRPO paper does.
+
+Run book
+    python train_grpo.py                                  # built-in tiny model and copy task, CPU
+    python train_grpo.py --pretrain Qwen/Qwen2.5-0.5B-Instruct --prompt_data prompts.jsonl \
+        --input_key question --label_key answer --apply_chat_template --reward_func reward.py \
+        --actor_num_gpus_per_node 1 --ref_num_gpus_per_node 1 --colocate_actor_ref --bf16
+    ray job submit --address http://127.0.0.1:8265 -- python train_grpo.py ...   # a running cluster
+    sbatch slurm/grpo_8b.sh                                # Slurm, several nodes
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import typer
+
+from common import options as o
+from common.errors import exit_on_user_error, require
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+
+
+@app.command(help=__doc__.split("\n\n")[0])
+def main(
+    pretrain: o.Pretrain = None,
+    reward_pretrain: o.RewardPretrain = None,
+    reward_func: o.RewardFunc = None,
+    remote_rm_url: o.RemoteRMURL = None,
+    skip_bad_rewards: o.SkipBadRewards = False,
+    reward_timeout: o.RewardTimeout = 60.0,
+    bf16: o.BF16 = False,
+    flash_attn: o.FlashAttn = False,
+    gradient_checkpointing: o.GradCkpt = False,
+    prompt_data: o.PromptData = None,
+    input_key: o.InputKey = "prompt",
+    label_key: o.LabelKey = "label",
+    apply_chat_template: o.ApplyChatTemplate = False,
+    max_samples: o.MaxSamples = None,
+    prompt_max_len: o.PromptMaxLen = 1024,
+    generate_max_len: o.GenerateMaxLen = 12,
+    advantage_estimator: o.AdvantageEstimator = "group_norm",
+    n_samples_per_prompt: o.NSamples = 8,
+    init_kl_coef: o.InitKLCoef = 0.001,
+    kl_estimator: o.KLEstimator = "k3",
+    use_kl_loss: o.UseKLLoss = False,
+    gamma: o.Gamma = 1.0,
+    eps_clip: o.EpsClip = 0.2,
+    eps_clip_low_high: o.EpsClipLowHigh = None,
+    dual_clip: o.DualClip = None,
+    normalize_reward: o.NormalizeReward = False,
+    no_advantage_std_norm: o.NoAdvStdNorm = False,
+    entropy_loss_coef: o.EntropyLossCoef = 0.0,
+    loss_agg_mode: o.LossAgg = "token_mean",
+    dynamic_filtering: o.DynamicFiltering = False,
+    temperature: o.Temperature = 1.0,
+    top_p: o.TopP = 1.0,
+    rollout_batch_size: o.RolloutBatchSize = 16,
+    micro_rollout_batch_size: o.MicroRolloutBatchSize = 64,
+    train_batch_size: o.TrainBatchSize = 64,
+    micro_train_batch_size: o.MicroTrainBatchSize = 64,
+    max_epochs: o.MaxEpochs = 1,
+    num_episodes: o.NumEpisodes = 1,
+    max_steps: o.MaxSteps = 40,
+    actor_learning_rate: o.ActorLR = 3e-4,
+    lr_warmup_ratio: o.WarmupRatio = 0.0,
+    lr_scheduler: o.LRScheduler = "constant_with_warmup",
+    l2: o.WeightDecay = 0.0,
+    adam_betas: o.AdamBetas = (0.9, 0.95),
+    max_norm: o.MaxNorm = 1.0,
+    seed: o.Seed = 42,
+    packing_samples: o.PackingSamples = False,
+    zero_stage: o.ZeroStage = 2,
+    adam_offload: o.AdamOffload = False,
+    deepspeed_enable_sleep: o.DeepSpeedSleep = False,
+    actor_num_nodes: o.ActorNodes = 1,
+    actor_num_gpus_per_node: o.ActorGPUs = 1,
+    ref_num_nodes: o.RefNodes = 1,
+    ref_num_gpus_per_node: o.RefGPUs = 1,
+    reward_num_nodes: o.RewardNodes = 1,
+    reward_num_gpus_per_node: o.RewardGPUs = 1,
+    colocate_actor_ref: o.ColocateActorRef = False,
+    colocate_all_models: o.ColocateAll = False,
+    vllm_num_engines: o.VllmNumEngines = 0,
+    vllm_tensor_parallel_size: o.VllmTP = 1,
+    vllm_gpu_memory_utilization: o.VllmGpuMemUtil = 0.5,
+    vllm_sync_backend: o.VllmSyncBackend = "auto",
+    vllm_enable_sleep: o.VllmEnableSleep = False,
+    enable_prefix_caching: o.EnablePrefixCaching = False,
+    enforce_eager: o.EnforceEager = False,
+    dry_run: o.DryRun = False,
+    save_path: o.SavePath = "./output/grpo",
+    save_steps: o.SaveSteps = -1,
+    logging_steps: o.LoggingSteps = 1,
+    eval_steps: o.EvalSteps = 10,
+    ckpt_path: o.CkptPath = None,
+    max_ckpt_num: o.MaxCkptNum = 3,
+    load_checkpoint: o.LoadCheckpoint = False,
+    use_wandb: o.UseWandb = False,
+    wandb_project: o.WandbProject = "hybridrl",
+    wandb_run_name: o.WandbRunName = None,
+    use_tensorboard: o.UseTensorboard = None,
+):
+    a = dict(locals())
+    with exit_on_user_error():
+        check_options(a)
+        plan = resource_plan(a)
+        if dry_run:
+            from common.logger import MetricsLogger
+
+            MetricsLogger(save_path, 0, enabled=True, config=None).table("resource plan", plan_table(plan))
+            return
+        train(a, plan)
+
+
+def check_options(a: dict) -> None:
+    est, n = a["advantage_estimator"], a["n_samples_per_prompt"]
+    require(est in GROUP_ESTIMATORS + ("reinforce",),
+            f"--advantage_estimator {est}: train_grpo.py takes {', '.join(GROUP_ESTIMATORS)} or reinforce; "
+            "for gae (a critic) use train_ppo.py")
+    require(est not in GROUP_ESTIMATORS or n > 1,
+            f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt 2 or more")
+    require(a["kl_estimator"] in ("k1", "k2", "k3"), f"--kl_estimator {a['kl_estimator']}: choose k1, k2 or k3")
+    require(a["zero_stage"] in (0, 1, 2, 3), f"--zero_stage {a['zero_stage']}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
+    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url") if a[k]]
+    require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
+    require(sources or a["prompt_data"] is None,
+            "--prompt_data needs a reward: give --reward_pretrain, --reward_func or --remote_rm_url")
+    samples = a["rollout_batch_size"] * n
+    require(samples % a["train_batch_size"] == 0,
+            f"--rollout_batch_size {a['rollout_batch_size']} x --n_samples_per_prompt {n} = {samples} samples must be "
+            f"a multiple of --train_batch_size {a['train_batch_size']}")
+    require(a["train_batch_size"] % a["micro_train_batch_size"] == 0,
+            f"--train_batch_size {a['train_batch_size']} must be a multiple of --micro_train_batch_size {a['micro_train_batch_size']}")
+    require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
+    require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+            f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
+    require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
+            "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
+
+
+def resource_plan(a: dict):
+    import shutil
+
+    from common.resources import plan_resources
+
+    use_gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
+    return plan_resources(
+        actor=(a["actor_num_nodes"], a["actor_num_gpus_per_node"]), critic=None,
+        ref=(a["ref_num_nodes"], a["ref_num_gpus_per_node"]) if a["init_kl_coef"] > 0 else None,
+        reward=(a["reward_num_nodes"], a["reward_num_gpus_per_node"]) if a["reward_pretrain"] else None,
+        vllm_num_engines=a["vllm_num_engines"], vllm_tp=a["vllm_tensor_parallel_size"],
+        colocate_actor_ref=a["colocate_actor_ref"], colocate_critic_reward=False,
+        colocate_all_models=a["colocate_all_models"], use_gpu=use_gpu)
+
+
+def plan_table(plan) -> list[dict]:
+    from common.resources import plan_rows
+
+    return plan_rows(plan)
+
+
+def train(a: dict, plan) -> None:
+    import random
+
+    import torch
+
+    from common import ds
+    from common.advantages import discounted_returns, group_advantages, group_all_equal, kl_estimate, token_rewards, whiten
+    from common.data import iterate_batches, load_rows
+    from common.logger import MetricsLogger, git_commit, versions
+    from common.losses import masked_mean, policy_loss
+    from common.models import load_tokenizer, resolve_pretrain
+    from common.prompts import build_prompts
+    from common.ray_groups import RoleGroup, create_placement_groups, init_ray
+    from common.rewards import RemoteReward, load_reward_func, score_with_function
+    from common.resources import check_fits
+    from common.rollout import Samples, make_batch, split_batch
+    from common.tasks import prompt_rows
+    from common.tasks import reward_func as builtin_reward
+    from common.workers import ModelSpec, ModelWorker
+
+    random.seed(a["seed"])
+    torch.manual_seed(a["seed"])
+    n = a["n_samples_per_prompt"]
+
+    # ---- prompts and rewards
+    pretrain = resolve_pretrain(a["pretrain"])
+    tokenizer = load_tokenizer(pretrain)
+    if a["prompt_data"] is None:
+        rows, src, chat = prompt_rows(2048, "train", seed=0), "built-in copy task", True
+        eval_rows = prompt_rows(64, "eval", seed=0)
+    else:
+        rows, src, chat = load_rows(a["prompt_data"], max_samples=a["max_samples"]), a["prompt_data"], a["apply_chat_template"]
+        eval_rows = None
+    prompt_args = dict(input_key="prompt" if a["prompt_data"] is None else a["input_key"],
+                       label_key="label" if a["prompt_data"] is None else a["label_key"],
+                       apply_chat_template=chat, prompt_max_len=a["prompt_max_len"])
+    prompts, dropped = build_prompts(rows, src, tokenizer, **prompt_args)
+    eval_prompts = build_prompts(eval_rows, src + " (held out)", tokenizer, **prompt_args)[0] if eval_rows else []
+    steps_per_episode = len(prompts) // a["rollout_batch_size"]
+    require(steps_per_episode > 0, f"{src}: {len(prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
+    total_steps = min(a["max_steps"] or math.inf, steps_per_episode * a["num_episodes"])
+
+    if a["reward_func"]:
+        user_fn = load_reward_func(a["reward_func"])
+        score_text = lambda p, c, lab: score_with_function(user_fn, p, c, lab, timeout_s=a["reward_timeout"], skip_bad=a["skip_bad_rewards"])  # noqa: E731
+    elif a["remote_rm_url"]:
+        remote = RemoteReward(a["remote_rm_url"], timeout_s=a["reward_timeout"])
+        score_text = lambda p, c, lab: remote(p, c, lab, skip_bad=a["skip_bad_rewards"])  # noqa: E731
+    elif not a["reward_pretrain"]:  # the built-in task's rule
+        score_text = lambda p, c, lab: score_with_function(builtin_reward, p, c, lab, timeout_s=a["reward_timeout"])  # noqa: E731
+
+    # ---- Ray: placement groups, then one worker group per role
+    resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
+    check_fits(plan, resources)
+    pgs = create_placement_groups(plan)
+    roles = {r.role: r for r in plan.roles}
+    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
+                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
+                             micro_train_batch_size=a["micro_train_batch_size"],
+                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"])
+    optim_steps = a["rollout_batch_size"] * n // a["train_batch_size"] * a["max_epochs"]
+    optim = dict(lr=a["actor_learning_rate"], total_steps=int(total_steps * optim_steps), warmup_ratio=a["lr_warmup_ratio"],
+                 scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])
+    common_spec = dict(bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
+                       packing=a["packing_samples"])
+    groups = {}
+
+    def start(role, spec):
+        groups[role] = RoleGroup(role, ModelWorker, roles[role], pgs[roles[role].group])
+        return groups[role].async_call("setup", spec)
+
+    pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim, **common_spec))]
+    if "ref" in roles:
+        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, **common_spec)))
+    if "reward" in roles:
+        pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings, **common_spec)))
+    from common.ray_groups import get
+
+    infos = [get(p, 1800, "model setup") for p in pending]
+    actor = groups["actor"]
+
+    # ---- resume
+    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+    state = {"step": 0, "episode": 0, "step_in_episode": 0}
+    resume_from = None
+    if a["load_checkpoint"]:
+        from common.checkpoint import latest_checkpoint
+
+        resume_from = latest_checkpoint(os.path.join(ckpt_root, "actor"))
+        if resume_from:
+            state = actor.call("load_checkpoint", resume_from)[0]
+
+    log = MetricsLogger(a["save_path"], total_steps, enabled=True, config=a, use_wandb=a["use_wandb"],
+                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
+                        tensorboard_dir=a["use_tensorboard"], title="GRPO",
+                        plot_keys=("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean"),
+                        start_step=state["step"] + 1, append=bool(resume_from))
+    log.banner("hybridrl train_grpo", {
+        "run": {"model": pretrain, "estimator": a["advantage_estimator"], "prompts": f"{src} ({len(prompts)}, {dropped} dropped as too long)",
+                "reward": a["reward_pretrain"] or a["reward_func"] or a["remote_rm_url"] or "built-in copy rule",
+                "step": f"{a['rollout_batch_size']} prompts x {n} samples, {optim_steps} optimizer step(s)",
+                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
+        "versions": versions()})
+    log.table("resource plan", plan_table(plan))
+    for info in infos:
+        for note in info[0]["notes"]:
+            log.warn_once(note, note)
+
+    sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
+                    micro_batch=max(1, a["micro_rollout_batch_size"] // n))
+
+    def generate(batch_prompts: list, sampling: dict, seed: int) -> Samples:
+        """Rollouts from the policy itself, prompts split evenly over the actor's ranks."""
+        world = len(actor)
+        shards = [batch_prompts[r::world] for r in range(world)]
+        parts = actor.call_per_rank("generate", [([p.prompt_ids for p in s], sampling, seed + r) for r, s in enumerate(shards)])
+        out = Samples([], [], [], [])
+        for r, part in enumerate(parts):
+            for pi, pids, rids, tr in zip(part.prompt_index, part.prompt_ids, part.response_ids, part.truncated):
+                out.prompt_ids.append(pids); out.response_ids.append(rids)
+                out.prompt_index.append(r + pi * world); out.truncated.append(tr)
+        order = sorted(range(len(out)), key=lambda i: out.prompt_index[i])  # keep each prompt's group together
+        return out.select(order)
+
+    def score(batch_prompts: list, samples: Samples, batch: dict) -> tuple[torch.Tensor, list[int]]:
+        """Scores [N] and the indices of samples whose reward is usable."""
+        if "reward" in groups:
+            return torch.cat(groups["reward"].call_per_rank(
+                "rewards", [(b, a["micro_rollout_batch_size"]) for b in split_batch(batch, len(groups["reward"]))])), list(range(len(samples)))
+        texts = tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
+        ps = [batch_prompts[i].prompt_text for i in samples.prompt_index]
+        labels = [batch_prompts[i].label for i in samples.prompt_index]
+        values, _ = score_text(ps, texts, labels)
+        ok = [i for i, v in enumerate(values) if v is not None]
+        return torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float32), ok
+
+    def per_rank(group, method, batch, *args):
+        return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
+
+    # The loss the actor's workers run; it travels to them by value, so an edited copy of this script
+    # trains with its own loss. out["logprobs"]: [b, t-1]; micro: this micro-batch's tensors.
+    eps_low, eps_high = a["eps_clip_low_high"] or (a["eps_clip"], a["eps_clip"])
+    kl_in_loss = a["use_kl_loss"] and a["init_kl_coef"] > 0
+
+    def actor_loss(out, micro):
+        mask = micro["action_mask"]
+        loss, clip_frac, approx_kl = policy_loss(out["logprobs"], micro["old_logprobs"], micro["advantages"], mask,
+                                                 eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"])
+        stats = {"policy_loss": loss.item(), "clip_frac": clip_frac.item(), "approx_kl": approx_kl.item()}
+        if kl_in_loss:
+            kl = masked_mean(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask)
+            loss = loss + a["init_kl_coef"] * kl
+            stats["kl_loss"] = kl.item()
+        if out["entropy"] is not None:
+            entropy = masked_mean(out["entropy"], mask)
+            loss = loss - a["entropy_loss_coef"] * entropy
+            stats["entropy"] = entropy.item()
+        return loss, stats
+
+    # ---- the RL loop: generate, score, reference and old log-probs, advantages, train, sync
+    batches = iterate_batches(len(prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
+                              start_step=state["step_in_episode"])
+    step = state["step"]
+    while step < total_steps:
+        episode, step_in_episode, idx = next(batches)
+        t_step = time.perf_counter()
+        batch_prompts = [prompts[i] for i in idx]
+        metrics = {}
+
+        # 1. generate
+        t0 = time.perf_counter()
+        samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
+        metrics["time/generate_s"] = time.perf_counter() - t0
+
+        # 2. score; drop samples without a usable reward (with --skip_bad_rewards), then whole groups
+        batch = make_batch(samples, tokenizer.pad_token_id)
+        scores, ok = score(batch_prompts, samples, batch)
+        metrics["rollout/reward_mean"] = scores[ok].mean().item()
+        metrics["rollout/reward_std"] = scores[ok].std().item() if len(ok) > 1 else 0.0
+        metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
+        groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in set(ok) for j in range(n))]
+        if a["dynamic_filtering"]:
+            same = group_all_equal(scores, n).tolist()
+            metrics["rollout/filtered_groups"] = sum(same[g] for g in groups_ok)
+            groups_ok = [g for g in groups_ok if not same[g]]
+        keep_groups = _round_down(groups_ok, a, n, len(actor))
+        if not keep_groups:
+            log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
+            step += 1
+            continue
+        keep = [g * n + j for g in keep_groups for j in range(n)]
+        samples, scores = samples.select(keep), scores[keep]
+        batch = make_batch(samples, tokenizer.pad_token_id)
+        mask = batch["action_mask"]
+        metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
+        metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
+
+        # 3. old and reference log-probs
+        t0 = time.perf_counter()
+        batch["old_logprobs"] = per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
+        if "ref" in groups:
+            batch["ref_logprobs"] = per_rank(groups["ref"], "logprobs", batch, a["micro_rollout_batch_size"])
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a["kl_estimator"]) * mask
+        else:
+            kl = torch.zeros_like(mask)
+        metrics["train/kl"] = masked_mean(kl, mask).item()
+        metrics["time/logprobs_s"] = time.perf_counter() - t0
+
+        # 4. advantages
+        if a["normalize_reward"]:
+            scores = (scores - scores.mean()) / (scores.std() + 1e-6)
+        if a["advantage_estimator"] == "reinforce":
+            rewards = token_rewards(scores, kl, mask, 0.0 if kl_in_loss else a["init_kl_coef"])
+            adv = whiten(discounted_returns(rewards, mask, a["gamma"]), mask)
+        else:
+            seq_adv = group_advantages(scores, n, a["advantage_estimator"], std_norm=not a["no_advantage_std_norm"])
+            adv = seq_adv[:, None] * mask
+            if not kl_in_loss and a["init_kl_coef"] > 0:
+                adv = adv - a["init_kl_coef"] * kl
+            if a["advantage_estimator"] == "reinforce_baseline":
+                adv = whiten(adv, mask)
+        batch["advantages"] = adv
+
+        # 5. train the actor: max_epochs passes, train_batch_size samples per optimizer step
+        t0 = time.perf_counter()
+        world = len(actor)
+        steps_per_pass = max(1, len(samples) // a["train_batch_size"])
+        history = []
+        for _ in range(a["max_epochs"]):
+            parts = actor.call_per_rank("train", [(b, actor_loss) for b in split_batch(batch, world)],
+                                        output="logprobs", micro_batch=a["micro_train_batch_size"],
+                                        steps=steps_per_pass, entropy=True)
+            history += parts[0]
+        metrics["time/train_s"] = time.perf_counter() - t0
+        for k in history[0]:
+            metrics[f"train/{k}"] = sum(h[k] for h in history) / len(history)
+
+        # 6. push new weights to the rollout side: the policy generates itself here, nothing to push
+        metrics["time/step_s"] = time.perf_counter() - t_step
+        tokens = int(batch["attention_mask"].sum())
+        metrics["perf/tokens_per_s"] = tokens / metrics["time/step_s"]
+        step += 1
+
+        if eval_prompts and (step % a["eval_steps"] == 0 or step == total_steps) and a["eval_steps"] > 0:
+            # sampled, not greedy: the base model's most likely word is already right, its sampling is not
+            ev = generate(eval_prompts, dict(sampling, n=1), seed=0)
+            ev_scores, ev_ok = score(eval_prompts, ev, make_batch(ev, tokenizer.pad_token_id))
+            metrics["eval/reward_mean"] = ev_scores[ev_ok].mean().item()
+        if step % a["logging_steps"] == 0 or step == total_steps:
+            log.log(step, metrics)
+        if step % 10 == 1:
+            i = 0
+            log.info(f"sample: {batch_prompts[samples.prompt_index[i]].prompt_text[-60:]!r} -> "
+                     f"{tokenizer.decode(samples.response_ids[i], skip_special_tokens=True)!r} (reward {scores[i].item():.2f})")
+        if a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps:
+            pos = (episode + 1, 0) if step_in_episode + 1 == steps_per_episode else (episode, step_in_episode + 1)
+            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1]}
+            path = actor.call("save_checkpoint", os.path.join(ckpt_root, "actor"), step, st, a["max_ckpt_num"])[0]
+            log.info(f"checkpoint saved: {path}")
+
+    actor.call("save_hf", a["save_path"])
+    log.info(f"policy saved to {a['save_path']}")
+    log.close()
+    for g in groups.values():
+        g.shutdown()
+
+
+def _round_down(groups_ok: list[int], a: dict, n: int, world: int) -> list[int]:
+    """Keep a number of prompt groups whose samples split evenly over the optimizer steps and ranks."""
+    unit = math.lcm(a["micro_train_batch_size"] * world, n) // n
+    k = len(groups_ok) // unit * unit
+    return groups_ok[:k]
+
+
+if __name__ == "__main__":
+    app()
