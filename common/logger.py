@@ -100,7 +100,8 @@ class MetricsLogger:
     def __init__(self, save_path: str, total_steps: int, *, enabled: bool = True, config: dict | None = None,
                  use_wandb: bool = False, wandb_project: str = "hybridrl", wandb_run_name: str | None = None,
                  tensorboard_dir: str | None = None, plot_keys: tuple[str, ...] = (), title: str = "",
-                 console=None, plain: bool | None = None, start_step: int = 0, append: bool = False):
+                 console=None, plain: bool | None = None, start_step: int = 0, append: bool = False,
+                 files: bool = True):
         self.enabled = enabled
         self._closed = False
         if not enabled:
@@ -119,6 +120,9 @@ class MetricsLogger:
         self._latest: dict[str, float] = {}
         self._task = None
         self._start_step = start_step
+        self._file = self._wandb = self._tb = None
+        if not files:  # a console only (e.g. a dry run): nothing is written
+            return
         # Check optional integrations before writing anything, so a missing package leaves no half run folder.
         if use_wandb:
             if importlib.util.find_spec("wandb") is None:
@@ -257,8 +261,9 @@ class MetricsLogger:
         step = int(step)
         rec = {"step": step, "time": round(time.time(), 3)}
         rec.update({k: (v if math.isfinite(v) else None) for k, v in vals.items()})
-        self._file.write(json.dumps(rec, allow_nan=False) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(rec, allow_nan=False) + "\n")
+            self._file.flush()
         for k in self.plot_keys:
             if k in vals:
                 self._history[k].append((step, vals[k]))
@@ -323,7 +328,8 @@ class MetricsLogger:
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

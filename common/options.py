@@ -93,7 +93,7 @@ NLLLossCoef = Annotated[float, opt("nll_loss_coef", "Weight of an NLL term on th
 
 # --- Algorithm (online RL) ---------------------------------------------------------------------
 AdvantageEstimator = Annotated[str, opt("advantage_estimator", "gae (PPO) | reinforce (REINFORCE++) | reinforce_baseline | rloo | group_norm (GRPO) | dr_grpo.", ALGO)]
-NSamples = Annotated[int, opt("n_samples_per_prompt", "Responses sampled per prompt (a group).", ALGO, min=1)]
+NSamples = Annotated[Optional[int], opt("n_samples_per_prompt", "Responses sampled per prompt, a group (default: 8 for group estimators, else 1).", ALGO, min=1)]
 InitKLCoef = Annotated[float, opt("init_kl_coef", "KL penalty coefficient (0: no reference model at all).", ALGO, min=0.0)]
 KLEstimator = Annotated[str, opt("kl_estimator", "k1 | k2 | k3 (Schulman's estimators of KL(pi || ref)).", ALGO)]
 UseKLLoss = Annotated[bool, flag("use_kl_loss", "Put the KL term in the loss (GRPO) instead of in the reward.", ALGO)]
@@ -144,3 +144,9 @@ VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport
 VllmEnableSleep = Annotated[bool, flag("vllm_enable_sleep", "Put vLLM to sleep while training (hybrid engine; needs --colocate_all_models).", ROLLOUT)]
 EnablePrefixCaching = Annotated[bool, flag("enable_prefix_caching", "vLLM prefix caching.", ROLLOUT)]
 EnforceEager = Annotated[bool, flag("enforce_eager", "Disable CUDA graphs in vLLM.", ROLLOUT)]
+VllmSyncBucketMB = Annotated[float, opt("vllm_sync_bucket_mb", "Weight sync bucket size (MB): one transfer per bucket, not per tensor.", ROLLOUT, min=0.001)]
+VllmSyncTimeout = Annotated[float, opt("vllm_sync_timeout", "Seconds a weight sync may take before the run stops naming the engine.", ROLLOUT, min=1.0)]
+LogprobWarn = Annotated[float, opt("logprob_diff_warn", "Warn when the mean |trainer - vLLM| log-prob of sampled tokens exceeds this.", ROLLOUT, min=0.0)]
+VllmISCorrection = Annotated[bool, flag("enable_vllm_is_correction", "Truncated importance sampling for the vLLM-vs-trainer log-prob gap.", ALGO)]
+VllmISThreshold = Annotated[float, opt("vllm_is_truncated_threshold", "Upper bound of the importance weights.", ALGO, min=1.0)]
+VllmSleepLevel = Annotated[int, opt("vllm_sleep_level", "vLLM sleep level: 1 keeps weights in CPU memory, 2 drops them (they are re-synced anyway).", ROLLOUT, min=1, max=2)]

@@ -22,7 +22,11 @@ from common.resources import Plan, RolePlan, check_fits
 
 # Passed on to every worker: with it set, Ray leaves CUDA_VISIBLE_DEVICES alone (all GPUs of the
 # node visible), which lets colocated vLLM engines and trainers address devices by index.
-_WORKER_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",)
+# Passed on to every worker, so a job submitted to a running cluster behaves as the driver would:
+# device visibility, the DeepSpeed op build cache, offline hub, caches, vLLM CPU settings.
+_WORKER_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_HOME",
+               "HYBRIDRL_CACHE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT",
+               "PYTHONPATH")
 
 
 def init_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> dict:

@@ -243,3 +243,10 @@ def plan_rows(plan: Plan) -> list[dict[str, str]]:
             "placement": f"group {plan.vllm_group}: bundles 0-{n - 1}{share}",
         })
     return rows
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line under the plan table, e.g. 'total: 8 GPUs in 1 placement group(s)'."""
+    total = plan.total()
+    unit = f"{total.get('GPU', 0):g} GPUs" if plan.use_gpu else f"{total.get('CPU', 0):g} CPU bundles"
+    return f"total: {unit} in {len(plan.groups)} placement group(s)"

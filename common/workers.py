@@ -42,6 +42,7 @@ class ModelWorker(BaseWorker):
         torch.manual_seed(spec.seed)
         self.dtype, dtype_note = ds.resolve_dtype(spec.bf16, self.dist.device)
         attn, attn_note = attn_implementation(spec.flash_attn)
+        self.attn = attn
         self.tokenizer = load_tokenizer(spec.path)
         settings = spec.ds
         cfg = ds.train_config(settings, self.dist.world_size, self.dtype) if spec.trainable else ds.eval_config(settings, self.dtype)
@@ -62,21 +63,35 @@ class ModelWorker(BaseWorker):
     def _to(self, batch: dict) -> dict:
         return {k: v.to(self.dist.device) for k, v in batch.items()}
 
+    def _inputs(self, micro: dict):
+        """Model inputs for a micro-batch, packed without padding when --packing_samples is on."""
+        if not self.spec.packing:
+            return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"]}, None
+        from common.packing import pack
+
+        packed = pack(micro["input_ids"], micro["attention_mask"], flash=self.attn == "flash_attention_2")
+        return packed.model_inputs(), packed
+
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1])."""
         from common.losses import token_entropy, token_logprobs
 
-        logits = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, :-1]
+        inputs, packed = self._inputs(micro)
+        logits = self.model(**inputs).logits[:, :-1]
         if self.spec.temperature != 1.0:
             logits = logits / self.spec.temperature
-        lp = token_logprobs(logits, micro["input_ids"][:, 1:])
-        return lp, (token_entropy(logits) if entropy else None)
+        lp = token_logprobs(logits, inputs["input_ids"][:, 1:])
+        ent = token_entropy(logits) if entropy else None
+        if packed is not None:
+            lp, ent = packed.unpack_next_token(lp), (packed.unpack_next_token(ent) if entropy else None)
+        return lp, ent
 
     def _token_values(self, micro: dict) -> torch.Tensor:
         """Critic values at the positions that predict each next token: [b, t-1]."""
-        from common.models import token_values
-
-        return token_values(self.model, micro["input_ids"], micro["attention_mask"])[:, :-1]
+        inputs, packed = self._inputs(micro)
+        module = getattr(self.model, "module", self.model)
+        values = module.score(module.base_model(**inputs).last_hidden_state).squeeze(-1).float()
+        return packed.unpack_next_token(values) if packed is not None else values[:, :-1]
 
     def _micro_batches(self, batch: dict, size: int):
         from common.rollout import trim
@@ -133,25 +148,29 @@ class ModelWorker(BaseWorker):
         """
         self.model.train()
         N = batch["input_ids"].shape[0]
-        per_step = N // steps
+        bounds = [round(s * N / steps) for s in range(steps + 1)]
+        # Filtering can leave fewer samples than the configured batch: close each optimizer step
+        # ourselves and weight the micro-batches so the step still averages over what it got.
+        gas = self.model.gradient_accumulation_steps()
         history = []
         for s in range(steps):
             t0 = time.perf_counter()
-            part = {k: v[s * per_step:(s + 1) * per_step] for k, v in batch.items()}
+            part = {k: v[bounds[s]:bounds[s + 1]] for k, v in batch.items()}
             acc: dict[str, float] = {}
-            n_micro = 0
-            for _, micro in self._micro_batches(part, micro_batch):
+            micros = [m for _, m in self._micro_batches(part, micro_batch)]
+            for j, micro in enumerate(micros):
                 if output == "logprobs":
                     lp, ent = self._token_logprobs(micro, entropy)
                     out = {"logprobs": lp, "entropy": ent}
                 else:
                     out = {"values": self._token_values(micro)}
                 loss, stats = loss_fn(out, micro)
-                self.model.backward(loss)
+                self.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                self.model.backward(loss * (gas / len(micros)))  # DeepSpeed divides by gas
                 self.model.step()
-                n_micro += 1
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
+            n_micro = len(micros)
             stats = {k: v / n_micro for k, v in acc.items()}
             norm = self.model.get_global_grad_norm()
             stats["grad_norm"] = float(norm) if norm is not None else float("nan")
@@ -159,6 +178,28 @@ class ModelWorker(BaseWorker):
             stats["step_s"] = time.perf_counter() - t0
             history.append(stats)
         return history
+
+    # ---------------------------------------------------------------- hybrid engine (GPU)
+    def offload_states(self) -> float:
+        """DeepSpeed sleep: optimizer states, gradients and fp32 master weights to CPU; returns seconds."""
+        t0 = time.perf_counter()
+        self.model.offload_states()
+        torch.cuda.empty_cache()
+        return time.perf_counter() - t0
+
+    def reload_states(self) -> float:
+        t0 = time.perf_counter()
+        self.model.reload_states()
+        return time.perf_counter() - t0
+
+    def gpu_memory(self, reset: bool = True) -> dict:
+        """{allocated, peak} in GB on this rank's GPU ({} on CPU)."""
+        if not torch.cuda.is_available():
+            return {}
+        out = {"allocated_gb": torch.cuda.memory_allocated() / 2**30, "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return out
 
     # ---------------------------------------------------------------- saving
     def save_hf(self, path: str) -> None:
@@ -175,6 +216,28 @@ class ModelWorker(BaseWorker):
         from common.checkpoint import load_checkpoint
 
         return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
+
+    def weight_buckets(self, bucket_mb: float) -> list:
+        """Gather the weights (collective under ZeRO-3) into buckets of about `bucket_mb` MB; rank 0
+        puts each bucket in the Ray object store and returns the refs, other ranks return []."""
+        import deepspeed
+        import ray
+
+        module = getattr(self.model, "module", self.model)
+        limit = bucket_mb * 2**20
+        refs, bucket, size = [], [], 0
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                if self.dist.rank == 0:
+                    t = p.detach().to(device="cpu", dtype=self.dtype, copy=True)  # the engines run in the compute dtype
+                    bucket.append((name, t))
+                    size += t.numel() * t.element_size()
+            if self.dist.rank == 0 and size >= limit:
+                refs.append(ray.put(bucket))
+                bucket, size = [], 0
+        if self.dist.rank == 0 and bucket:
+            refs.append(ray.put(bucket))
+        return refs
 
     def full_state_dict(self) -> dict:
         """Gathered weights on CPU (collective under ZeRO-3): for pushing to rollout engines."""

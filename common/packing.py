@@ -1,0 +1,53 @@
+"""Sequence packing: run several right-padded rows as one row without padding.
+
+The rows' real tokens are laid end to end, positions restart at 0 for each, and attention is kept
+inside each sequence: flash-attention does that from the position ids alone; other attention
+implementations (SDPA on CPU) get an explicit block-diagonal causal mask. Results come back in
+the padded layout, so losses are computed exactly as without packing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor          # [1, L]
+    position_ids: torch.Tensor       # [1, L]
+    attention_mask: torch.Tensor | None  # [1, 1, L, L] bool, or None for flash-attention
+    starts: torch.Tensor             # [b] offset of each row in the packed row
+    lengths: torch.Tensor            # [b]
+    width: int                       # t, the padded width
+
+    def model_inputs(self) -> dict:
+        out = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask
+        return out
+
+    def unpack_next_token(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-position values about the NEXT token, [1, L-1] or [1, L] (e.g. log-probs of logits[:, :-1],
+        critic values) -> the padded layout [b, t-1]; zeros where a row has no next token."""
+        flat = torch.nn.functional.pad(x[0], (0, self.input_ids.shape[1] - x.shape[1]))
+        cols = torch.arange(self.width - 1, device=x.device)
+        idx = (self.starts[:, None] + cols[None, :]).clamp(max=flat.shape[0] - 1)
+        valid = cols[None, :] < (self.lengths[:, None] - 1)
+        return torch.where(valid, flat[idx], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, flash: bool = False) -> Packed:
+    """input_ids, attention_mask: [b, t], right-padded."""
+    keep = attention_mask.bool()
+    lengths = keep.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    ids = input_ids[keep][None]
+    L = ids.shape[1]
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+    pos = torch.arange(L, device=ids.device) - starts[seg]
+    mask = None
+    if not flash:
+        causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
+        mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+    return Packed(ids, pos[None], mask, starts, lengths, input_ids.shape[1])

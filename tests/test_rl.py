@@ -1,0 +1,230 @@
+"""PPO and GRPO end to end on CPU: a real Ray cluster (started once, jobs connect to it as with
+`ray job submit`), real DeepSpeed workers, rewards from the built-in rule, a function file, an HTTP
+server and a reward model; learning curves, resume, colocation, dry runs, and bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.helpers import PY, ROOT, env, metrics, script
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """A `ray start --head` cluster for the session; scripts find it through RAY_ADDRESS."""
+    from common.ds import free_port
+
+    port = free_port()
+    temp = str(tmp_path_factory.mktemp("ray"))
+    ray_bin = os.path.join(os.path.dirname(PY), "ray")
+    e = env() | {"RAY_AUTH_MODE": "disabled"}
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
+                    "--disable-usage-stats", f"--temp-dir={temp}"], env=e, check=True, capture_output=True, timeout=120)
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield os.environ["RAY_ADDRESS"]
+    os.environ.pop("RAY_ADDRESS")
+    subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True, timeout=120)
+
+
+def _fifths(rows, key="rollout/reward_mean"):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    k = max(1, len(vals) // 5)
+    return sum(vals[:k]) / k, sum(vals[-k:]) / k
+
+
+@pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
+def test_builtin_default_reward_rises(tmp_path, ray_head, name):
+    out = str(tmp_path / "run")
+    script(name, "--save_path", out, "--max_steps", "12", "--eval_steps", "6")
+    rows = metrics(out)
+    first, last = _fifths(rows)
+    assert last - first >= 0.2, (first, last)
+    for key in ("rollout/response_len_mean", "train/policy_loss", "train/kl", "train/clip_frac", "train/entropy",
+                "time/generate_s", "time/train_s", "time/step_s", "perf/tokens_per_s"):
+        assert key in rows[-1], key
+    if name == "train_ppo.py":
+        assert "train/value_loss" in rows[-1]
+    assert os.path.exists(os.path.join(out, "curves.png"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_grpo_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    flags = ["--max_steps", "4", "--save_steps", "2", "--eval_steps", "-1", "--rollout_batch_size", "8"]
+    script("train_grpo.py", "--save_path", full, *flags)
+    script("train_grpo.py", "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"),
+           "--load_checkpoint", *flags)
+    keep = lambda rows: [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]  # noqa: E731
+    a, b = keep(metrics(full)), keep(metrics(resumed))
+    assert [r["step"] for r in metrics(resumed)] == [3, 4]
+    assert a[2:] == b
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples"]),
+    ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
+                       "--train_batch_size", "16", "--micro_train_batch_size", "8",
+                       "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean"]),
+    ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
+                      "--dual_clip", "3", "--max_epochs", "2"]),
+    ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
+                      "--n_samples_per_prompt", "4"]),
+])
+def test_variants_run(tmp_path, ray_head, name, flags):
+    out = str(tmp_path / "run")
+    script(name, "--save_path", out, "--max_steps", "2", "--eval_steps", "-1", *SMALL[name], *flags)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    if "--init_kl_coef" in flags:  # no reference model at all
+        assert rows[-1]["train/kl"] == 0.0
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory):
+    from common.tasks import prompt_rows
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with open(path, "w") as f:
+        for r in prompt_rows(64, "train", seed=9):
+            f.write(json.dumps({"question": r["prompt"][0]["content"], "answer": r["label"]}) + "\n")
+    return str(path)
+
+
+# A small step: 8 prompts x 8 samples for GRPO; 16 prompts x 1 sample for PPO with GAE.
+SMALL = {"train_grpo.py": ["--rollout_batch_size", "8"],
+         "train_ppo.py": ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]}
+
+
+def _prompt_flags(prompt_file, name="train_grpo.py"):
+    return ["--prompt_data", prompt_file, "--input_key", "question", "--label_key", "answer",
+            "--apply_chat_template", "--max_steps", "2", "--eval_steps", "-1", *SMALL[name]]
+
+
+def test_reward_function_file(tmp_path, ray_head, prompt_file):
+    out = str(tmp_path / "run")
+    script("train_grpo.py", "--save_path", out, "--reward_func", os.path.join(ROOT, "examples", "reward_func_copy.py"),
+           *_prompt_flags(prompt_file))
+    assert 0.1 < metrics(out)[0]["rollout/reward_mean"] < 0.9
+
+
+class _CopyScorer(BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).calls += 1
+        from common.tasks import reward_func
+
+        out = json.dumps({"rewards": reward_func(body["prompts"], body["completions"], body["labels"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_reward_server(tmp_path, ray_head, prompt_file):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CopyScorer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = str(tmp_path / "run")
+        script("train_ppo.py", "--save_path", out, "--remote_rm_url", f"http://127.0.0.1:{server.server_port}/score",
+               "--advantage_estimator", "group_norm", *_prompt_flags(prompt_file, "train_ppo.py"))
+        assert _CopyScorer.calls >= 2
+        assert 0.1 < metrics(out)[0]["rollout/reward_mean"] < 0.9
+    finally:
+        server.shutdown()
+
+
+def test_reward_model_path(tmp_path, ray_head, prompt_file):
+    """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it."""
+    rm = str(tmp_path / "rm")
+    script("train_rm.py", "--save_path", rm, "--max_steps", "20", "--eval_steps", "-1")
+    out = str(tmp_path / "run")
+    script("train_ppo.py", "--save_path", out, "--reward_pretrain", rm, "--colocate_critic_reward", *_prompt_flags(prompt_file, "train_ppo.py"))
+    rows = metrics(out)
+    assert len(rows) == 2 and "train/value_loss" in rows[-1]
+
+
+@pytest.mark.parametrize("body,expect", [
+    ("raise ValueError('scorer broke')", "scorer broke"),
+    ("return [float('nan')] * len(completions)", "nan"),
+    ("return [1.0]", "returned 1 score"),
+])
+def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file, body, expect):
+    fn = tmp_path / "bad_reward.py"
+    fn.write_text(f"def reward_func(prompts, completions, labels):\n    {body}\n")
+    p = script("train_grpo.py", "--save_path", str(tmp_path / "run"), "--reward_func", str(fn),
+               *_prompt_flags(prompt_file), check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert expect in p.stderr and "Repeat:" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_skip_bad_rewards_drops_samples_and_goes_on(tmp_path, ray_head, prompt_file):
+    fn = tmp_path / "flaky.py"
+    fn.write_text("def reward_func(prompts, completions, labels):\n"
+                  "    return [float('nan') if i == 3 else 0.5 + 0.01 * (i % 3) for i in range(len(completions))]\n")
+    out = str(tmp_path / "run")
+    script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), "--skip_bad_rewards", *_prompt_flags(prompt_file))
+    rows = metrics(out)
+    # the NaN sample's whole group (8 samples) is left out of the update; the other 7 groups train
+    assert rows[0]["rollout/skipped_rewards"] == 1 and len(rows) == 2 and "train/policy_loss" in rows[0]
+
+
+REFERENCE_PPO = """--ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
+  --critic_num_nodes 1 --critic_num_gpus_per_node 8 --actor_num_nodes 1 --actor_num_gpus_per_node 8
+  --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --colocate_all_models --vllm_gpu_memory_utilization 0.5
+  --pretrain {model} --reward_pretrain {rm} --save_path {out} --micro_train_batch_size 8 --train_batch_size 128
+  --micro_rollout_batch_size 16 --rollout_batch_size 1024 --max_epochs 1 --prompt_max_len 1024
+  --generate_max_len 1024 --zero_stage 3 --bf16 --actor_learning_rate 5e-7 --critic_learning_rate 9e-6
+  --init_kl_coef 0.01 --normalize_reward --gradient_checkpointing --packing_samples
+  --vllm_enable_sleep --deepspeed_enable_sleep"""
+REFERENCE_GRPO = """--advantage_estimator group_norm --ref_num_nodes 1 --ref_num_gpus_per_node 8
+  --reward_num_nodes 1 --reward_num_gpus_per_node 8 --actor_num_nodes 1 --actor_num_gpus_per_node 8
+  --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --colocate_all_models --pretrain {model}
+  --reward_pretrain {rm} --save_path {out} --micro_train_batch_size 8 --train_batch_size 128
+  --micro_rollout_batch_size 16 --rollout_batch_size 1024 --max_epochs 1 --bf16 --actor_learning_rate 5e-7
+  --init_kl_coef 0.01 --use_kl_loss --kl_estimator k3 --normalize_reward --no_advantage_std_norm"""
+
+
+@pytest.mark.parametrize("name,flags", [("train_ppo.py", REFERENCE_PPO), ("train_ppo.py", REFERENCE_GRPO),
+                                        ("train_grpo.py", REFERENCE_GRPO)])
+def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
+    from common.tiny import tiny_model_path
+
+    model = tiny_model_path()
+    args = flags.format(model=model, rm=model, out=str(tmp_path / "out")).split()
+    p = script(name, *args, "--dry_run")
+    out = p.stdout
+    assert "resource plan" in out and "4 engines x TP 2" in out
+    for role in ("actor", "ref", "reward") + (("critic",) if "critic_num_nodes" in flags else ()):
+        assert f"\n  {role} " in out
+    assert "total: 8 GPUs" in out
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt 2 or more"),
+    (["--zero_stage", "5"], "--zero_stage 5"),
+    (["--rollout_batch_size", "3", "--train_batch_size", "64"], "multiple of --train_batch_size"),
+    (["--vllm_enable_sleep", "--vllm_num_engines", "1"], "--colocate_all_models"),
+    (["--vllm_enable_sleep"], "need vLLM engines"),
+    (["--reward_func", "a.py", "--remote_rm_url", "http://127.0.0.1:1"], "one source"),
+])
+def test_flag_contradictions(tmp_path, flags, expect):
+    p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)
+    assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
