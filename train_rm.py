@@ -208,6 +208,8 @@ def train(a: dict) -> None:
                    "train/chosen_reward": sums[2].item() / B, "train/rejected_reward": sums[3].item() / B,
                    "train/lr": engine.get_lr()[0], "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": sums[4].item() / dt, "train/epoch": epoch}
+        if dist.device.type == "cuda":
+            metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
         if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or

@@ -1,0 +1,51 @@
+"""Write a random-weight model of a real model's shape, with the built-in tokenizer, for GPU figures.
+
+    python bench/make_model.py --shape 0.5b --out /tmp/q05            # causal LM, Qwen2.5-0.5B shape
+    python bench/make_model.py --shape 0.5b --out /tmp/q05rm --reward # the same body with a scalar head
+
+No download: the config is written here (Qwen2.5 0.5B / 1.5B dimensions), the weights are random
+(seeded) and the tokenizer is the built-in tiny one (ids past its 512 tokens decode to nothing,
+which is fine for timing: rewards then come from a reward model, not from text).
+"""
+from __future__ import annotations
+
+import shutil
+
+import typer
+
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+}
+
+
+def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed: int = 0):
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    from common.tiny import tiny_model_path
+
+    tiny = tiny_model_path()
+    tok = AutoTokenizer.from_pretrained(tiny)
+    cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      **SHAPES[shape])
+    torch.manual_seed(seed)
+    if reward:
+        cfg.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    for name in ("generation_config.json",):
+        if os.path.exists(os.path.join(tiny, name)) and not reward:
+            shutil.copy(os.path.join(tiny, name), out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {shape} {'reward' if reward else 'causal'} model, {n / 1e6:.1f} M parameters")
+
+
+if __name__ == "__main__":
+    typer.run(main)
