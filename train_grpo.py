@@ -481,15 +481,18 @@ def train(a: dict, plan) -> None:
             metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
 
         # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
-        # training states leave the GPU, vLLM's weights wake and are overwritten, then its KV cache wakes
+        # vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
+        # offloading first made the engines load stale shards), then the training states leave the GPU,
+        # and only then does vLLM's KV cache, the largest piece, wake
         if plan.use_gpu:
             for g in trained:
                 for k, v in g.call("gpu_memory")[0].items():
                     metrics[f"mem/{g.role}_{k}"] = v
-        metrics["time/offload_s"] = ds_sleep("offload_states")
         if engines:
             vllm_sleep("wake_up", ["weights"])
             metrics.update(sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"]))
+        metrics["time/offload_s"] = ds_sleep("offload_states")
+        if engines:
             vllm_sleep("wake_up", ["kv_cache"])
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())

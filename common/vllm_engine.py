@@ -52,7 +52,8 @@ class VllmEngine:
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs")
-        self._pending: list = []
+        # name -> tensor: a bucket that arrives late (its sync timed out) is overwritten, not loaded twice
+        self._pending: dict = {}
 
     def ready(self) -> int:
         return self.index
@@ -66,14 +67,15 @@ class VllmEngine:
 
         n = sampling["n"]
         greedy = sampling.get("greedy", False)
+        # vLLM refuses n > 1 with greedy decoding; the n copies would be identical, so repeat one.
         # One seed per request: the same seed on every request would give every prompt the same noise.
-        params = [SamplingParams(n=n, temperature=0.0 if greedy else sampling["temperature"], top_p=sampling["top_p"],
-                                 max_tokens=sampling["max_new_tokens"], logprobs=0, detokenize=False,
-                                 seed=None if greedy else seed + i) for i in range(len(prompt_ids))]
+        params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else sampling["temperature"],
+                                 top_p=sampling["top_p"], max_tokens=sampling["max_new_tokens"], logprobs=0,
+                                 detokenize=False, seed=None if greedy else seed + i) for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         s = Samples([], [], [], [], [])
         for i, out in enumerate(outs):
-            for c in out.outputs:
+            for c in out.outputs * (n if greedy else 1):
                 ids = list(c.token_ids)
                 s.prompt_ids.append(prompt_ids[i])
                 s.response_ids.append(ids)
@@ -89,14 +91,14 @@ class VllmEngine:
 
         if isinstance(bucket, ray.ObjectRef):
             bucket = ray.get(bucket)
-        self._pending.extend(bucket)
+        self._pending.update(bucket)
         return len(bucket)
 
     def load_weights(self) -> float:
         """Load every pending bucket in one reload (vLLM repacks weights per layer); returns seconds."""
         t0 = time.perf_counter()
-        weights, self._pending = self._pending, []
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        weights, self._pending = self._pending, {}
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 
@@ -133,10 +135,11 @@ def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict
 
     k = len(engines)
     bounds = [round(i * len(prompt_ids) / k) for i in range(k + 1)]
-    refs = [e.generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i)
-            for i, e in enumerate(engines) if bounds[i + 1] > bounds[i]]
+    # Fewer prompts than engines leaves some shards empty: those engines get no call.
+    used = [i for i in range(k) if bounds[i + 1] > bounds[i]]
+    refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
     out = Samples([], [], [], [], [])
-    for i, part in enumerate(get(refs, timeout_s, "vLLM generate")):
+    for i, part in zip(used, get(refs, timeout_s, "vLLM generate")):
         out.prompt_ids += part.prompt_ids
         out.response_ids += part.response_ids
         out.prompt_index += [bounds[i] + j for j in part.prompt_index]
@@ -148,29 +151,33 @@ def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict
 def sync_weights(actor_group, engines: list, *, bucket_mb: float = 256, timeout_s: float = 300) -> dict:
     """Push the actor's current weights to every engine, bucket by bucket. Returns timings.
 
-    A sync that does not finish within `timeout_s` stops the run naming the engine.
+    A sync that does not finish within `timeout_s` (all of it: gather, transfer, load) stops the run
+    with a UserError naming the engine that did not answer. An engine only takes the buckets once
+    it is idle (Ray runs an actor's calls one at a time), so a generate call still running counts.
     """
     import ray
 
-    from common.ray_groups import get
+    from common.ray_groups import _describe
 
     t0 = time.perf_counter()
+    deadline = t0 + timeout_s
+
+    def wait(refs, who: str):
+        try:
+            return ray.get(refs, timeout=max(0.0, deadline - time.perf_counter()))
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(f"weight sync: {who} did not finish within {timeout_s:g} s (raise --vllm_sync_timeout "
+                            "if the model is large or the engines are slow to become idle)") from None
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"weight sync: {who} failed: {_describe(e)}") from None
+
     # Every actor rank takes part (ZeRO-3 gathers are collective); rank 0 returns the bucket refs.
-    refs = get(actor_group.async_call("weight_buckets", bucket_mb), timeout_s, "weight gather")[0]
+    refs = wait(actor_group.async_call("weight_buckets", bucket_mb), "the actor's weight gather")[0]
     gathered = time.perf_counter() - t0
-    pending = {i: [e.receive_bucket.remote(r) for r in refs] for i, e in enumerate(engines)}
-    loads = {}
-    for i, e in enumerate(engines):
-        try:
-            ray.get(pending[i], timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-            loads[i] = e.load_weights.remote()
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(f"weight sync to vLLM engine {i} did not finish within {timeout_s:.0f} s "
-                            "(raise --vllm_sync_timeout if the model is large)") from None
-    for i, ref in loads.items():
-        try:
-            ray.get(ref, timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(f"weight sync to vLLM engine {i} did not finish within {timeout_s:.0f} s "
-                            "(raise --vllm_sync_timeout if the model is large)") from None
+    # Every engine receives in parallel; each loads as soon as it has all buckets (Ray runs an
+    # actor's calls in order, so load_weights follows that engine's receive_bucket calls).
+    received = [[e.receive_bucket.remote(r) for r in refs] for e in engines]
+    loads = [e.load_weights.remote() for e in engines]
+    for i in range(len(engines)):
+        wait(received[i] + [loads[i]], f"vLLM engine {i}")
     return {"time/weight_gather_s": gathered, "time/weight_sync_s": time.perf_counter() - t0, "sync/buckets": len(refs)}

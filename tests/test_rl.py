@@ -6,31 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.helpers import PY, ROOT, env, metrics, script
-
-
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory):
-    """A `ray start --head` cluster for the session; scripts find it through RAY_ADDRESS."""
-    from common.ds import free_port
-
-    port = free_port()
-    temp = str(tmp_path_factory.mktemp("ray"))
-    ray_bin = os.path.join(os.path.dirname(PY), "ray")
-    e = env() | {"RAY_AUTH_MODE": "disabled"}
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
-                    "--disable-usage-stats", f"--temp-dir={temp}"], env=e, check=True, capture_output=True, timeout=120)
-    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    yield os.environ["RAY_ADDRESS"]
-    os.environ.pop("RAY_ADDRESS")
-    subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True, timeout=120)
+from tests.helpers import ROOT, metrics, script
 
 
 def _fifths(rows, key="rollout/reward_mean"):
