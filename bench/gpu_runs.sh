@@ -33,7 +33,7 @@ dpo_rm)
   run dpo_z3 train_dpo.py "${common[@]}" --zero_stage 3
   ;;
 grpo)
-  $PY bench/sleep_check.py --model $M > "$OUT/sleep_check.txt" 2>&1; tail -5 "$OUT/sleep_check.txt"
+  [ -n "${SKIP_SLEEP_CHECK:-}" ] || { $PY bench/sleep_check.py --model $M > "$OUT/sleep_check.txt" 2>&1; tail -5 "$OUT/sleep_check.txt"; }
   run grpo_hybrid train_grpo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage 3 --colocate_all_models \
     --vllm_num_engines 1 --vllm_gpu_memory_utilization 0.3 --vllm_enable_sleep --deepspeed_enable_sleep \
     --rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 256 --train_batch_size 64 \
