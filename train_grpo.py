@@ -195,6 +195,7 @@ def train(a: dict, plan) -> None:
 
     from common import ds
     from common.advantages import discounted_returns, group_advantages, group_all_equal, kl_estimate, token_rewards, whiten
+    from common.checkpoint import Preemption
     from common.data import iterate_batches, load_rows
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import masked_mean, policy_loss
@@ -296,8 +297,11 @@ def train(a: dict, plan) -> None:
         from common.checkpoint import latest_checkpoint
 
         resume_from = latest_checkpoint(os.path.join(ckpt_root, "actor"))
-        if resume_from:
-            state = actor.call("load_checkpoint", resume_from)[0]
+        if resume_from:  # every trained role saved the same step under its own folder
+            for role in ("actor", "critic"):
+                if role in groups:
+                    state = groups[role].call("load_checkpoint", resume_from.replace(
+                        os.path.join(ckpt_root, "actor"), os.path.join(ckpt_root, role)))[0]
 
     if resume_from and engines:  # the engines start from --pretrain; give them the resumed weights
         sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"])
@@ -391,6 +395,7 @@ def train(a: dict, plan) -> None:
     batches = iterate_batches(len(prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
                               start_step=state["step_in_episode"])
     step = state["step"]
+    preempt, preempted = Preemption(), False
     while step < total_steps:
         episode, step_in_episode, idx = next(batches)
         t_step = time.perf_counter()
@@ -504,20 +509,37 @@ def train(a: dict, plan) -> None:
             ev = generate(eval_prompts, dict(sampling, n=1), seed=0)
             ev_scores, ev_ok = score(eval_prompts, ev, make_batch(ev, tokenizer.pad_token_id))
             metrics["eval/reward_mean"] = ev_scores[ev_ok].mean().item()
+        # training health: say early what usually shows up late as a collapsed run
+        if metrics["train/kl"] > 1.0:
+            log.warn_once(f"kl{step // 50}", f"step {step}: KL to the reference is {metrics['train/kl']:.2f} (> 1): "
+                          "the policy is drifting fast; consider a larger --init_kl_coef or a smaller learning rate")
+        if metrics.get("train/entropy", 1.0) < 0.05:
+            log.warn_once(f"ent{step // 50}", f"step {step}: entropy {metrics['train/entropy']:.3f}: sampling has "
+                          "collapsed to near-greedy; rewards may stop improving")
+        if metrics["rollout/truncated_frac"] > 0.5:
+            log.warn_once("trunc", f"step {step}: {metrics['rollout/truncated_frac']:.0%} of responses hit "
+                          f"--generate_max_len {a['generate_max_len']}")
         if step % a["logging_steps"] == 0 or step == total_steps:
             log.log(step, metrics)
         if step % 10 == 1:
             i = 0
             log.info(f"sample: {batch_prompts[samples.prompt_index[i]].prompt_text[-60:]!r} -> "
                      f"{tokenizer.decode(samples.response_ids[i], skip_special_tokens=True)!r} (reward {scores[i].item():.2f})")
-        if a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps:
+        preempted = step < total_steps and preempt.requested()
+        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps) or preempted:
             pos = (episode + 1, 0) if step_in_episode + 1 == steps_per_episode else (episode, step_in_episode + 1)
             st = {"step": step, "episode": pos[0], "step_in_episode": pos[1]}
-            path = actor.call("save_checkpoint", os.path.join(ckpt_root, "actor"), step, st, a["max_ckpt_num"])[0]
+            # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
+            for g in reversed(trained):
+                path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"])[0]
             log.info(f"checkpoint saved: {path}")
+        if preempted:
+            log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
+            break
 
-    actor.call("save_hf", a["save_path"])
-    log.info(f"policy saved to {a['save_path']}")
+    if not preempted:
+        actor.call("save_hf", a["save_path"])
+        log.info(f"policy saved to {a['save_path']}")
     log.close()
     for g in groups.values():
         g.shutdown()

@@ -23,7 +23,7 @@ import time
 import typer
 
 from common import options as o
-from common.errors import UserError, exit_on_user_error, require
+from common.errors import TrainingError, UserError, exit_on_user_error, require
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -83,7 +83,7 @@ def train(a: dict) -> None:
     import torch
 
     from common import ds
-    from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import build_preference_pairs, collate_pairs, iterate_batches, load_rows
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import bradley_terry_loss, log_exp_loss
@@ -183,6 +183,7 @@ def train(a: dict) -> None:
     micro = a["micro_train_batch_size"]
     step = state["step"]
     batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
+    preempt = Preemption()
     engine.train()
     while step < total_steps:
         epoch, step_in_epoch, idx = next(batches)
@@ -195,6 +196,9 @@ def train(a: dict) -> None:
                 loss = log_exp_loss(chosen, rejected)
             else:
                 loss = bradley_terry_loss(chosen, rejected, batch["margin"] if batch["has_margin"] else None)
+            if not torch.isfinite(loss):  # stop before a NaN reaches the weights
+                raise TrainingError(f"step {step + 1}: the reward model loss is {loss.item()}; lower the learning rate "
+                                    "or check the data (nothing after the last checkpoint was saved)")
             engine.backward(loss)
             engine.step()
             sums += torch.tensor([loss.item() * len(chosen), (chosen > rejected).sum().item(), chosen.sum().item(),
@@ -217,12 +221,17 @@ def train(a: dict) -> None:
             metrics.update(evaluate())
         if step % a["logging_steps"] == 0 or last or "eval/acc" in metrics:
             log.log(step, metrics)
-        if a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last:
+        preempted = not last and preempt.requested()
+        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"model": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1]},
                                    rank=dist.rank, max_keep=a["max_ckpt_num"])
             log.info(f"checkpoint saved: {path}")
+        if preempted:
+            log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
+            log.close()
+            return
 
     ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
     log.info(f"reward model saved to {a['save_path']}")

@@ -119,3 +119,26 @@ def load_checkpoint(path: str, engines: dict, *, rank: int) -> dict:
     set_rng_state(torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=True))
     with open(os.path.join(path, "state.json")) as f:
         return json.load(f)
+
+
+class Preemption:
+    """SIGTERM (Slurm preemption, `scontrol requeue`, a cluster scheduler) asks for a checkpoint and a
+    clean exit at the end of the current step, so a requeued job resumes instead of starting over."""
+
+    def __init__(self):
+        import signal
+
+        self._asked = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self._asked = True
+
+    def requested(self) -> bool:
+        """The same answer on every rank (one rank may have seen the signal a step earlier)."""
+        flag = torch.tensor([float(self._asked)])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            backend = torch.distributed.get_backend()
+            flag = flag.cuda() if backend == "nccl" else flag
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)

@@ -17,7 +17,7 @@ import re
 import socket
 import time
 
-from common.errors import UserError
+from common.errors import TrainingError, UserError
 from common.resources import Plan, RolePlan, check_fits
 
 # Passed on to every worker: with it set, Ray leaves CUDA_VISIBLE_DEVICES alone (all GPUs of the
@@ -218,7 +218,7 @@ def get(refs, timeout_s: float, what: str):
         if many:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = f" (rank {', '.join(str(refs.index(r)) for r in pending)} still busy)" if pending else ""
-        raise RuntimeError(f"{what}: no answer within {timeout_s:.0f} s{late}") from None
+        raise TrainingError(f"{what}: no answer within {timeout_s:.0f} s{late}") from None
     except ray.exceptions.RayError as e:
         err, rank = e, None
         if many:  # name the first rank that failed, not whichever ray.get met first
@@ -230,7 +230,7 @@ def get(refs, timeout_s: float, what: str):
                         err, rank = e2, i
                         break
         who = what if rank is None else f"{what} (rank {rank})"
-        raise RuntimeError(f"{who}: {_describe(err)}") from None
+        raise TrainingError(f"{who}: {_describe(err)}") from None
 
 
 class RoleGroup:

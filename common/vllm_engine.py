@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from common.errors import UserError
+from common.errors import TrainingError, UserError
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def sync_weights(actor_group, engines: list, *, bucket_mb: float = 256, timeout_
             raise UserError(f"weight sync: {who} did not finish within {timeout_s:g} s (raise --vllm_sync_timeout "
                             "if the model is large or the engines are slow to become idle)") from None
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"weight sync: {who} failed: {_describe(e)}") from None
+            raise TrainingError(f"weight sync: {who} failed: {_describe(e)}") from None
 
     # Every actor rank takes part (ZeRO-3 gathers are collective); rank 0 returns the bucket refs.
     refs = wait(actor_group.async_call("weight_buckets", bucket_mb), "the actor's weight gather")[0]

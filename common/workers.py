@@ -165,6 +165,9 @@ class ModelWorker(BaseWorker):
                 else:
                     out = {"values": self._token_values(micro)}
                 loss, stats = loss_fn(out, micro)
+                if not torch.isfinite(loss):  # stop before a NaN reaches the weights
+                    raise FloatingPointError(f"{self.role} loss is {loss.item()} at optimizer step {s + 1} of this "
+                                             "batch; lower the learning rate or check the rewards")
                 self.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
                 self.model.backward(loss * (gas / len(micros)))  # DeepSpeed divides by gas
                 self.model.step()

@@ -1,0 +1,146 @@
+"""Faults: preemption, a kill during a save, dead workers, hung reward servers, NaN losses."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.helpers import PY, ROOT, env, metrics, script
+
+
+def _wait_for(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path):
+    out = str(tmp_path / "rm")
+    args = [PY, os.path.join(ROOT, "train_rm.py"), "--save_path", out, "--max_steps", "400", "--eval_steps", "-1"]
+    p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mpath = os.path.join(out, "metrics.jsonl")
+    _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 3, 120, "a few steps")
+    p.send_signal(signal.SIGTERM)  # what Slurm sends before preempting or requeueing a job
+    text, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, text[-2000:]
+    assert "SIGTERM: stopped after step" in text
+    done = [r["step"] for r in metrics(out)]
+    ckpts = os.listdir(os.path.join(out, "checkpoints"))
+    assert ckpts == [f"step{done[-1]:08d}"], (ckpts, done[-3:])
+    script("train_rm.py", "--save_path", out, "--max_steps", str(done[-1] + 2), "--eval_steps", "-1", "--load_checkpoint")
+    steps = [r["step"] for r in metrics(out)]
+    assert steps == list(range(1, done[-1] + 3))  # continued, nothing repeated or lost
+
+
+KILL_DURING_SAVE = r"""
+import os, signal, sys, torch
+from common import ds
+from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+root = sys.argv[1]
+dist = ds.setup_distributed()
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+s = ds.DSSettings(zero_stage=2, micro_train_batch_size=2, train_batch_size=2)
+engine = ds.initialize(model, s, dist, torch.float32, lr=1e-2, total_steps=10, scheduler="constant")
+def step():
+    loss = engine(torch.randn(2, 8)).pow(2).mean(); engine.backward(loss); engine.step()
+step(); save_checkpoint(root, 1, {"model": engine}, {"step": 1}, rank=0)
+step()
+if sys.argv[2] == "kill":
+    real = engine.save_checkpoint
+    def dying(*a, **k):
+        real(*a, **k)               # the model files are written...
+        os.kill(os.getpid(), signal.SIGKILL)   # ...and the process dies before the save completes
+    engine.save_checkpoint = dying
+    save_checkpoint(root, 2, {"model": engine}, {"step": 2}, rank=0)
+else:
+    state = load_checkpoint(latest_checkpoint(root), {"model": engine}, rank=0)
+    print("RESUMED", state["step"], latest_checkpoint(root))
+    save_checkpoint(root, 3, {"model": engine}, {"step": 3}, rank=0)
+    print("AFTER", sorted(os.listdir(root)))
+"""
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
+    root = str(tmp_path / "ckpt")
+    code = tmp_path / "kill.py"
+    code.write_text(KILL_DURING_SAVE)
+    p = subprocess.run([PY, str(code), root, "kill"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert ".tmp-step00000002" in os.listdir(root)  # the half-written save is there, but does not count
+    p = subprocess.run([PY, str(code), root, "resume"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"RESUMED 1 {root}/step00000001" in p.stdout
+    assert "AFTER ['step00000001', 'step00000003']" in p.stdout  # the leftover was cleared by the next save
+
+
+def test_nan_loss_stops_the_run_with_the_step(tmp_path):
+    p = script("train_rm.py", "--save_path", str(tmp_path), "--learning_rate", "1e30", "--max_steps", "6", check=False)
+    assert p.returncode == 1
+    assert "the reward model loss is nan" in p.stderr and "step" in p.stderr and "Traceback" not in p.stderr
+
+
+class _Silent(BaseHTTPRequestHandler):
+    def do_POST(self):
+        time.sleep(30)  # never answers in time
+
+    def log_message(self, *args):
+        pass
+
+
+def test_hung_reward_server_ends_the_run_with_a_timeout(tmp_path, ray_head):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        from tests.test_rl import SMALL
+
+        t0 = time.time()
+        p = script("train_grpo.py", "--save_path", str(tmp_path), "--remote_rm_url",
+                   f"http://127.0.0.1:{server.server_port}/score", "--reward_timeout", "1", "--prompt_data",
+                   _prompts(tmp_path), "--apply_chat_template", "--max_steps", "2", *SMALL["train_grpo.py"], check=False)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert "127.0.0.1" in p.stderr and ("timed out" in p.stderr or "timeout" in p.stderr), p.stderr[-2000:]
+        assert time.time() - t0 < 150
+    finally:
+        server.shutdown()
+
+
+def _prompts(tmp_path):
+    import json
+
+    from common.tasks import prompt_rows
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(32, "train", seed=4)))
+    return str(path)
+
+
+def test_a_killed_worker_ends_the_run_naming_it(tmp_path, ray_head):
+    out = str(tmp_path / "run")
+    args = [PY, os.path.join(ROOT, "train_grpo.py"), "--save_path", out, "--max_steps", "200", "--eval_steps", "-1",
+            "--rollout_batch_size", "8"]
+    p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mpath = os.path.join(out, "metrics.jsonl")
+    _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 1, 180, "the first step")
+    try:  # Ray titles each actor's process "ray::<Class>..."; kill one model worker with SIGKILL
+        pids = subprocess.run(["pgrep", "-f", "ray::ModelWorker"], capture_output=True, text=True).stdout.split()
+        assert pids, "no model worker process found"
+        os.kill(int(pids[0]), signal.SIGKILL)
+    except BaseException:
+        p.kill()
+        raise
+    t0 = time.time()
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 1, err[-2000:]
+    assert ("actor" in err or "ref" in err) and ("died" in err or "dead" in err or "kill" in err.lower()), err[-2000:]
+    assert "Traceback" not in err
+    assert time.time() - t0 < 120
