@@ -1,0 +1,208 @@
+# shellcheck shell=bash
+# A Ray cluster over the nodes of this Slurm job; sourced by ppo_70b.sh, grpo_8b.sh, debug_tiny.sh.
+#
+#   source slurm/env.sh; source slurm/ray_cluster.sh
+#   ray_cluster_start           # head here (the job's first node), a worker on every other node,
+#                               # returns once the cluster shows all nodes and GPUs; exports RAY_ADDRESS
+#   "$PYTHON" train_ppo.py ...  # the driver connects through RAY_ADDRESS
+#
+# Ray is stopped when the calling script exits, fails, or is cancelled or requeued (EXIT trap; the
+# helper takes over the caller's EXIT, TERM and INT traps). Only the processes this helper started
+# are stopped, never other Ray clusters on the node (no `ray stop`).
+#
+# Settings (environment, all optional):
+#   PYTHON              interpreter with ray installed (default: python). `ray` runs as
+#                       `$PYTHON -m ray.scripts.scripts`, so Ray's workers use this interpreter too,
+#                       not whichever python comes first on PATH on each node.
+#   RAY_NODES           nodes to use, head first (default: the job's, from SLURM_JOB_NODELIST). A node
+#                       listed twice gets two Ray nodes, which is how the tests reach the worker path
+#                       on a one-machine Slurm.
+#   RAY_GPUS_PER_NODE   GPUs every node must report (default: SLURM_GPUS_ON_NODE, else the count of
+#                       `nvidia-smi -L`, else 0 for a CPU cluster, where only the nodes are counted)
+#   RAY_NUM_CPUS        logical CPUs each node offers Ray (default: Ray counts them)
+#   RAY_PORT            the head's GCS port (default: a free port on the head node)
+#   RAY_DASHBOARD       true to start the dashboard, for `ray job submit` or watching (default: false)
+#   RAY_TEMP_DIR        Ray's session and log folder on every node (default: /tmp/ray-<job>-<restart>;
+#                       a path of its own per run, since Ray's socket paths must stay under 108 bytes
+#                       and a requeued job must not find the killed run's address file)
+#   RAY_START_TIMEOUT   seconds to wait for the whole cluster (default: 300)
+#   RAY_STOP_TIMEOUT    seconds Ray gets to stop before it is killed (default: 30)
+#   RAY_KEEP_LOGS       1 keeps RAY_TEMP_DIR after a successful run (it is always kept after a failure)
+#   NET_IFNAME          interface to register the nodes on (set by slurm/env.sh)
+#
+# Run as a program (`bash slurm/ray_cluster.sh worker <head address>`) it is one worker node; that
+# is what ray_cluster_start sends to every other node with srun.
+
+_RAY_CLUSTER_SH=$(realpath "${BASH_SOURCE[0]}")
+_RAY_PIDS=()
+# Ray's agents (Python processes) that start slowly, e.g. cold imports from a shared file system,
+# get 2 min instead of 30 s to register with their raylet before it gives up on the node.
+export RAY_agent_register_timeout_ms=${RAY_agent_register_timeout_ms:-120000}
+
+# N distinct free ports on this node, one per line (held open together so they differ).
+_ray_free_ports() {
+  "${PYTHON:-python}" -c '
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("", 0))
+print("\n".join(str(s.getsockname()[1]) for s in socks))' "${1:-1}"
+}
+
+# The IPv4 address of NET_IFNAME on this node; empty (Ray picks) when unset or not found.
+_ray_node_ip() {
+  [[ -n ${NET_IFNAME:-} ]] && command -v ip >/dev/null || return 0
+  ip -o -4 addr show dev "$NET_IFNAME" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }'
+}
+
+_ray_temp_dir() { echo "${RAY_TEMP_DIR:-/tmp/ray-${SLURM_JOB_ID:-$$}-${SLURM_RESTART_COUNT:-0}}"; }
+
+# Options every node starts with: where it keeps its files, which address it registers, its CPUs,
+# and free ports for its agents. Ray's fixed default for the dashboard agent (52365) is taken when
+# a second Ray runs on the node (another job's); and an agent port left to Ray (0) makes the raylet
+# wait for the agent to report the port it bound, 30 s at most, then die: seen on a busy node.
+_ray_node_args() {
+  local ip ports
+  ip=$(_ray_node_ip)
+  mapfile -t ports < <(_ray_free_ports 4)
+  _RAY_ARGS=(--block --disable-usage-stats "--temp-dir=$(_ray_temp_dir)"
+             "--dashboard-agent-listen-port=${ports[0]}" "--dashboard-agent-grpc-port=${ports[1]}"
+             "--runtime-env-agent-port=${ports[2]}" "--metrics-export-port=${ports[3]}")
+  if [[ -n $ip ]]; then _RAY_ARGS+=("--node-ip-address=$ip"); fi
+  if [[ -n ${RAY_NUM_CPUS:-} ]]; then _RAY_ARGS+=("--num-cpus=$RAY_NUM_CPUS"); fi
+}
+
+_ray_worker() {
+  local address=${1:?usage: ray_cluster.sh worker <head address>}
+  _ray_node_args
+  echo "ray_cluster: worker on $(hostname -s) joining $address"
+  exec "${PYTHON:-python}" -m ray.scripts.scripts start --address="$address" "${_RAY_ARGS[@]}"
+}
+
+_ray_alive() {
+  local pid
+  for pid in "$@"; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
+}
+
+ray_cluster_stop() {
+  local rc=$? pid deadline i temp_dir
+  [[ ${#_RAY_PIDS[@]} -gt 0 ]] || return 0
+  echo "ray_cluster: stopping Ray (pids ${_RAY_PIDS[*]})"
+  # Workers first (their srun passes the TERM on to `ray start --block`, which stops its node's
+  # processes), the head last.
+  for ((i = ${#_RAY_PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${_RAY_PIDS[i]}" 2>/dev/null || true; done
+  deadline=$((SECONDS + ${RAY_STOP_TIMEOUT:-30}))
+  while _ray_alive "${_RAY_PIDS[@]}" && ((SECONDS < deadline)); do sleep 1; done
+  for pid in "${_RAY_PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  wait "${_RAY_PIDS[@]}" 2>/dev/null || true
+  _RAY_PIDS=()
+  # Ray's logs of a failed run stay for a look; a clean run leaves nothing in /tmp.
+  temp_dir=$(_ray_temp_dir)
+  if ((rc == 0)) && [[ ${RAY_KEEP_LOGS:-0} != 1 ]]; then
+    rm -rf "$temp_dir"
+  else
+    echo "ray_cluster: Ray's logs are in $temp_dir/session_latest/logs on each node"
+  fi
+}
+
+ray_cluster_start() {
+  local nodes gpus_per_node want_gpus timeout head_pid addr_file deadline node
+  timeout=${RAY_START_TIMEOUT:-300}
+  if [[ -n ${RAY_NODES:-} ]]; then
+    read -r -a nodes <<<"$RAY_NODES"
+  elif [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  else
+    nodes=("$(hostname -s)")
+  fi
+  gpus_per_node=${RAY_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+  if [[ -z $gpus_per_node ]]; then
+    gpus_per_node=0
+    if command -v nvidia-smi >/dev/null; then gpus_per_node=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+  fi
+  want_gpus=$((gpus_per_node * ${#nodes[@]}))
+
+  trap ray_cluster_stop EXIT
+  # bash runs the EXIT trap on `exit`, not when killed: turn scancel/requeue's TERM into an exit.
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
+
+  local temp_dir
+  temp_dir=$(_ray_temp_dir)
+  addr_file="$temp_dir/ray_current_cluster"
+  rm -f "$addr_file"
+  _ray_node_args
+  local head_ports head_args
+  mapfile -t head_ports < <(_ray_free_ports 2)
+  head_args=(--head "--port=${RAY_PORT:-${head_ports[0]}}" "--include-dashboard=${RAY_DASHBOARD:-false}"
+             "--ray-client-server-port=${head_ports[1]}")
+  echo "ray_cluster: head on $(hostname -s), ${#nodes[@]} node(s): ${nodes[*]}; waiting for ${#nodes[@]} node(s)," \
+       "$want_gpus GPU(s), at most ${timeout}s"
+  "${PYTHON:-python}" -m ray.scripts.scripts start "${head_args[@]}" "${_RAY_ARGS[@]}" &
+  head_pid=$!
+  _RAY_PIDS=("$head_pid")
+
+  # The head writes its address file once its processes are up.
+  deadline=$((SECONDS + timeout))
+  until [[ -s $addr_file ]]; do
+    if ! kill -0 "$head_pid" 2>/dev/null; then
+      echo "ray_cluster: the Ray head exited while starting (see above)" >&2
+      return 1
+    fi
+    if ((SECONDS >= deadline)); then
+      echo "ray_cluster: the Ray head did not start within ${timeout}s" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  RAY_ADDRESS=$(<"$addr_file")
+  export RAY_ADDRESS
+
+  for node in "${nodes[@]:1}"; do
+    # --overlap: the worker may share its node with the batch script instead of waiting for free
+    # CPUs; -c: all of the node's CPUs, or Slurm's CPU binding would squeeze Ray's actors onto one.
+    srun --nodes=1 --ntasks=1 --overlap -w "$node" --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
+      bash "$_RAY_CLUSTER_SH" worker "$RAY_ADDRESS" &
+    _RAY_PIDS+=("$!")
+  done
+
+  # Poll the cluster until every node (and GPU) has registered, a start process died, or time is up.
+  _RAY_WANT_NODES=${#nodes[@]} _RAY_WANT_GPUS=$want_gpus _RAY_DEADLINE=$((deadline - SECONDS)) \
+    _RAY_WATCH="${_RAY_PIDS[*]}" "${PYTHON:-python}" - <<'EOF'
+import os, sys, time
+
+import ray
+
+want_nodes, want_gpus = int(os.environ["_RAY_WANT_NODES"]), float(os.environ["_RAY_WANT_GPUS"])
+deadline = time.monotonic() + float(os.environ["_RAY_DEADLINE"])
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+while True:
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    res = ray.cluster_resources()
+    have = f"{nodes}/{want_nodes} nodes, {res.get('GPU', 0):g}/{want_gpus:g} GPUs, {res.get('CPU', 0):g} CPUs"
+    if nodes >= want_nodes and res.get("GPU", 0) >= want_gpus:
+        print(f"ray_cluster: ready at {os.environ['RAY_ADDRESS']}: {have}", flush=True)
+        sys.exit(0)
+    for pid in os.environ["_RAY_WATCH"].split():
+        try:  # gone, or a zombie its parent shell has not reaped yet
+            with open(f"/proc/{pid}/stat") as f:
+                dead = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            dead = True
+        if dead:
+            sys.exit(f"ray_cluster: a Ray start process (pid {pid}) ended early with {have}; see its lines above")
+    if time.monotonic() > deadline:
+        sys.exit(f"ray_cluster: only {have} after the timeout; a node failed to join (see above) or "
+                 f"RAY_GPUS_PER_NODE is wrong")
+    time.sleep(3)
+EOF
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  case ${1:-} in
+    worker) shift; _ray_worker "$@" ;;
+    *) echo "usage: source slurm/ray_cluster.sh, then ray_cluster_start; or: bash $0 worker <head address>" >&2
+       exit 2 ;;
+  esac
+fi

@@ -1,0 +1,361 @@
+"""The Slurm templates on a real one-node Slurm: a private munged, slurmctld and slurmd started for
+this module (installed with apt-get when missing), jobs submitted with sbatch that train the tiny
+model through the Ray helper and through srun, a requeued job that resumes from its checkpoint,
+and static checks of every template (bash -n, shellcheck, the 70B plan's GPU total).
+
+Only one machine exists, so "several nodes" are several tasks on it (srun) and, for Ray, the
+helper's RAY_NODES listing the node twice (a head and a worker on the same host).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers import PY, ROOT, env, metrics
+
+TEMPLATES = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
+PORTS = (16817, 16818)  # slurmctld, slurmd: fixed in slurm.conf, away from Slurm's defaults (6817/6818)
+
+
+def _sh(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _ensure_installed(tools: tuple[str, ...], packages: tuple[str, ...]) -> None:
+    """Install `packages` with apt-get when one of `tools` is missing; skip if apt-get cannot run."""
+    if all(shutil.which(t) for t in tools):
+        return
+    if not shutil.which("apt-get"):
+        pytest.skip(f"{', '.join(tools)} not installed and apt-get is not available to install {' '.join(packages)}")
+    if os.geteuid() != 0:
+        pytest.skip(f"{', '.join(tools)} not installed, and apt-get needs root to install {' '.join(packages)}")
+    apt_env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *packages]):
+        p = _sh(cmd, timeout=900, env=apt_env)
+        assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+def _wait(what: str, check, timeout: float, every: float = 1.0):
+    """Poll `check()` until it returns something truthy; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+class Slurm:
+    """A one-node Slurm cluster in `root` (state, logs, pid files, a private munge socket)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = os.path.join(root, "slurm.conf")
+        self.env = env() | {"SLURM_CONF": self.conf}
+        self.pid_files = [os.path.join(root, n) for n in ("slurmd.pid", "slurmctld.pid", "munged.pid")]
+
+    def start(self) -> None:
+        r = self.root
+        for d in ("state", "spool"):
+            os.makedirs(os.path.join(r, d), exist_ok=True)
+        # A munged of our own (own key and socket): nothing in /etc/munge or /run/munge is touched
+        # and a munged already running on the machine is left alone.
+        key, sock = os.path.join(r, "munge.key"), os.path.join(r, "munge.sock")
+        _sh(["mungekey", "-c", "-k", key], check=True)
+        _sh(["munged", "--force", f"--socket={sock}", f"--key-file={key}", f"--pid-file={r}/munged.pid",
+             f"--log-file={r}/munged.log", f"--seed-file={r}/munged.seed"], check=True)
+        cpus = os.cpu_count() or 1
+        mem_mb = int(_sh(["free", "-m"]).stdout.splitlines()[1].split()[1]) - 1024
+        with open(self.conf, "w") as f:
+            f.write(f"""ClusterName=hybridrl-test
+SlurmctldHost={self.host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/slurmctld.log
+SlurmdLogFile={r}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+KillWait=30
+SlurmctldPort={PORTS[0]}
+SlurmdPort={PORTS[1]}
+NodeName={self.host} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
+PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+""")
+        for daemon in ("slurmctld", "slurmd"):
+            p = _sh([f"/usr/sbin/{daemon}", "-f", self.conf], env=self.env)
+            assert p.returncode == 0, f"{daemon} did not start: {p.stderr}\n{self.logs()}"
+        _wait("the Slurm node to be idle", lambda: self.sinfo() == "idle", timeout=60)
+
+    def sinfo(self) -> str:
+        return _sh(["sinfo", "-h", "-o", "%T"], env=self.env).stdout.strip()
+
+    def logs(self) -> str:
+        out = []
+        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
+            path = os.path.join(self.root, name)
+            if os.path.exists(path):
+                out.append(f"--- {name}\n" + open(path).read()[-3000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        try:  # a job left running (a failed test) would keep its processes after the daemons go
+            _sh(["scancel", "--full", "--user", "root"], env=self.env, timeout=30)
+            _wait("the jobs to end", lambda: not _sh(["squeue", "-h"], env=self.env).stdout.strip(), timeout=60)
+        except (subprocess.TimeoutExpired, AssertionError):
+            pass  # slurmctld is not answering; stop the daemons anyway
+        for path in self.pid_files:
+            try:
+                pid = int(open(path).read().strip())
+            except (OSError, ValueError):
+                continue
+            try:
+                os.kill(pid, 15)
+            except ProcessLookupError:
+                continue
+            _wait(f"pid {pid} ({os.path.basename(path)}) to exit", lambda: not _alive(pid), timeout=30, every=0.2)
+
+    # ---- jobs
+    def sbatch(self, *args: str, env_extra: dict | None = None, wait: bool = False, timeout: float = 600) -> str:
+        """Submit from the repo root (as a user would); return the job id. With `wait`
+        (`sbatch --wait`), block until the job ends and check that it succeeded."""
+        cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *args]
+        p = _sh(cmd, timeout=timeout, cwd=ROOT, env=self.env | (env_extra or {}))
+        job = p.stdout.strip().split(";")[0]
+        if wait and p.returncode != 0:
+            raise AssertionError(f"job {job} failed (sbatch --wait exit {p.returncode}):\n{p.stderr}\n"
+                                 f"{self.job_output(job)}\n{self.logs()}")
+        assert p.returncode == 0 and job, f"sbatch failed: {p.stderr}"
+        return job
+
+    def finish(self, job: str, timeout: float = 600) -> str:
+        """Poll every second until `job` ends (`sbatch --wait` looks less and less often, which
+        costs up to half a minute per job here); return its final state."""
+        done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+        return _wait(f"job {job} to end", lambda: (st := self.job(job).get("JobState")) in done and st, timeout)
+
+    def job(self, job: str) -> dict:
+        out = _sh(["scontrol", "show", "job", "--oneliner", job], env=self.env).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def job_output(self, job: str) -> str:
+        path = self.job(job).get("StdOut", "")
+        return open(path).read() if path and os.path.exists(path) else f"(no output file for job {job})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The cluster, started once for this file and stopped (by its pid files) when the file's tests
+    are done: module scope, so no Slurm daemon outlives these tests into other test files."""
+    _ensure_installed(("slurmctld", "slurmd", "sbatch", "munged", "mungekey"), ("slurm-wlm", "munge"))
+    if os.geteuid() != 0:
+        pytest.skip("slurmd has to run as root to start jobs")
+    if any(_port_busy(p) for p in PORTS):
+        pytest.skip(f"ports {PORTS} are taken (another Slurm test running?)")
+    cluster = Slurm(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---- static checks: no Slurm needed
+
+def test_templates_are_valid_bash():
+    assert {os.path.basename(t) for t in TEMPLATES} >= {
+        "env.sh", "ray_cluster.sh", "ppo_70b.sh", "grpo_8b.sh", "dpo_8b.sh", "rm_8b.sh", "debug_tiny.sh"}
+    for t in TEMPLATES:
+        p = _sh(["bash", "-n", t])
+        assert p.returncode == 0, f"{t}: {p.stderr}"
+
+
+def test_templates_pass_shellcheck():
+    _ensure_installed(("shellcheck",), ("shellcheck",))
+    # From the repo root, so `source slurm/env.sh` in a template is followed and checked too.
+    p = _sh(["shellcheck", "--external-sources", *TEMPLATES], cwd=ROOT)
+    assert p.returncode == 0, p.stdout
+
+
+def test_sbatch_headers():
+    for t in TEMPLATES:
+        text = open(t).read()
+        if "#SBATCH" not in text:
+            continue  # a sourced helper
+        head = text.split("set -euo pipefail")[0]
+        for opt in ("--requeue", "--output=logs/%x-%j.out", "--open-mode=append"):
+            assert f"#SBATCH {opt}" in head, (t, opt)
+        assert "--save_steps" in text and "--load_checkpoint" in text, t
+        assert 'cd "${SLURM_SUBMIT_DIR:-.}"' in text, t
+        last = [ln for ln in text.splitlines() if ln.strip()][-1]
+        assert last.rstrip().endswith('"$@"'), (t, last)
+
+
+def _dry_run(template: str, *flags: str) -> str:
+    p = _sh(["bash", os.path.join("slurm", template), *flags], cwd=ROOT,
+            env=env() | {"PYTHON": PY, "DRY_RUN": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def _total_gpus(out: str) -> int:
+    m = re.search(r"^total: (\d+) GPUs in (\d+) placement group", out, re.M)
+    assert m, out
+    return int(m.group(1))
+
+
+def test_ppo_70b_plan_is_48_gpus_in_three_groups_of_16():
+    out = _dry_run("ppo_70b.sh")
+    assert _total_gpus(out) == 48 and "in 3 placement group(s)" in out, out
+    roles = ("actor", "critic", "ref", "reward", "vllm")
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in roles}
+    assert "group actor+ref: bundles 0-15" in rows["actor"] and "group actor+ref" in rows["ref"], out
+    assert "group critic+reward: bundles 0-15" in rows["critic"] and "group critic+reward" in rows["reward"], out
+    assert "4 engines x TP 4" in rows["vllm"] and "group vllm: bundles 0-15, 1 GPU each" in rows["vllm"], out
+    # A flag after the template's name overrides the template's own: 2 engines x TP 4 = 8 GPUs fewer.
+    assert _total_gpus(_dry_run("ppo_70b.sh", "--vllm_num_engines", "2")) == 40
+
+
+def test_grpo_8b_plan_is_one_hybrid_node():
+    out = _dry_run("grpo_8b.sh")
+    assert _total_gpus(out) == 8 and "group actor+ref+reward+vllm: bundles 0-7, 0.25 GPU each" in out, out
+
+
+# ---- jobs on the real Slurm
+
+# Turns a GPU template into a one-node CPU job: the command line overrides its #SBATCH lines.
+def _cpu_job(tmp_path, ntasks: int) -> list[str]:
+    return ["--nodes=1", f"--ntasks={ntasks}", f"--ntasks-per-node={ntasks}", "--gpus-per-node=0",
+            "--cpus-per-task=1", f"--output={tmp_path}/%x-%j.out"]
+
+
+TINY_PAIRS = ["--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_len", "128"]
+
+
+def _job_env(tmp_path) -> dict:
+    # PRETRAIN= DATASET= : the built-in tiny model and task; SHARED_DIR keeps caches out of the repo.
+    return {"PYTHON": PY, "PRETRAIN": "", "DATASET": "", "SHARED_DIR": str(tmp_path / "shared")}
+
+
+def _steps(save_path) -> list[int]:
+    return [r["step"] for r in metrics(str(save_path))]
+
+
+def _assert_model_written(save_path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "curves.png"):
+        assert os.path.exists(os.path.join(save_path, name)), (save_path, name, os.listdir(save_path))
+    with open(os.path.join(save_path, "config.json")) as f:
+        assert json.load(f).get("model_type")
+
+
+def test_debug_tiny_trains_grpo_through_a_two_node_ray_cluster(slurm, tmp_path):
+    save = tmp_path / "grpo"
+    # The node twice: a Ray head and a Ray worker started through srun, as on two machines.
+    job = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "slurm/debug_tiny.sh", "--save_path", str(save),
+                       "--max_steps", "3", wait=True,
+                       env_extra=_job_env(tmp_path) | {"RAY_NODES": f"{slurm.host} {slurm.host}"})
+    out = slurm.job_output(job)
+    assert re.search(r"ray_cluster: ready at \S+: 2/2 nodes", out), out
+    assert "ray_cluster: worker on" in out, out
+    assert _steps(save) == [1, 2, 3]
+    _assert_model_written(save)
+    assert os.path.isdir(save / "checkpoints"), os.listdir(save)
+    # The helper stopped its Ray (and only its own) and removed its temp folder after the clean run.
+    temp = f"/tmp/ray-{job}-0"
+    assert not os.path.exists(temp)
+    leftovers = _sh(["pgrep", "-f", temp]).stdout.split()
+    assert not leftovers, f"Ray processes of job {job} still running: {leftovers}"
+
+
+def test_ray_helper_fails_fast_when_a_node_cannot_join(slurm, tmp_path):
+    save = tmp_path / "grpo"
+    start = time.monotonic()
+    job = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "slurm/debug_tiny.sh", "--save_path", str(save),
+                       env_extra=_job_env(tmp_path) | {"RAY_NODES": f"{slurm.host} no-such-node"})
+    state, out = slurm.finish(job), slurm.job_output(job)
+    assert state == "FAILED", (state, out)
+    # Noticed when the worker's srun died, long before the 300 s start timeout; the driver never ran.
+    assert time.monotonic() - start < 120, out
+    assert re.search(r"ray_cluster: a Ray start process \(pid \d+\) ended early with 1/2 nodes", out), out
+    assert "ray_cluster: stopping Ray" in out and not save.exists(), out
+    temp = f"/tmp/ray-{job}-0"
+    assert f"Ray's logs are in {temp}/session_latest/logs" in out, out  # kept after a failure
+    assert not _sh(["pgrep", "-f", temp]).stdout.split(), f"Ray processes of job {job} still running"
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_rm_8b_trains_with_two_ranks_started_by_srun(slurm, tmp_path):
+    save = tmp_path / "rm"
+    job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", "3",
+                       "--save_path", str(save), env_extra=_job_env(tmp_path))
+    state, out = slurm.finish(job), slurm.job_output(job)
+    assert state == "COMPLETED", f"{state}\n{out}\n{slurm.logs()}"
+    assert "2 ranks on" in out and "world size: 2" in out, out
+    assert "batch: 8 = 4 x 1 accum x 2 ranks" in out, out
+    assert _steps(save) == [1, 2, 3]
+    _assert_model_written(save)
+
+
+def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
+    save, total = tmp_path / "dpo", 16
+    job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=1), "slurm/dpo_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
+                       "--save_steps", "2", "--save_path", str(save), env_extra=_job_env(tmp_path))
+    _wait("the first checkpoint", lambda: glob.glob(str(save / "checkpoints" / "step*")), timeout=300, every=0.3)
+    assert slurm.job(job)["JobState"] == "RUNNING", slurm.job_output(job)
+    p = _sh(["scontrol", "requeue", job], env=slurm.env)
+    assert p.returncode == 0, p.stderr
+    # A requeued job waits ~2 min (BeginTime) before it may start again; let it start now.
+    _wait("the requeued job to be pending", lambda: slurm.job(job)["JobState"] == "PENDING", timeout=120,
+          every=0.5)
+    _sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    state, out = slurm.finish(job), slurm.job_output(job)
+    assert state == "COMPLETED", f"{state}\n{out}\n{slurm.logs()}"
+    assert slurm.job(job)["Restarts"] == "1"
+    # --open-mode=append: both runs are in the log. Requeue sends SIGTERM: the first run finished
+    # its step, saved a checkpoint there and stopped; the second run resumed from that checkpoint.
+    assert "restart 0," in out and "restart 1," in out, out
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", out)
+    assert stopped, out
+    resumed = re.findall(r"resumed from: (\S+)", out)
+    assert resumed == ["-", str(save / "checkpoints" / f"step{int(stopped.group(1)):08d}")], (resumed, out)
+    # metrics.jsonl: appended by the second run from the step after the checkpoint, so every step
+    # appears once: nothing repeated, nothing lost, never from step 1 again.
+    assert 2 <= int(stopped.group(1)) < total
+    assert _steps(save) == list(range(1, total + 1))
+    _assert_model_written(save)
