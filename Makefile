@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/python train_grpo.py
 
 test: install
-	$(BIN)/python -m pytest tests -x -q
+	$(BIN)/python -m pytest tests -x -q --durations=15
 
 clean:
 	rm -rf $(VENV)
