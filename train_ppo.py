@@ -387,7 +387,8 @@ def train(a: dict, plan) -> None:
 
     def actor_loss(out, micro):
         mask = micro["action_mask"]
-        loss, clip_frac, approx_kl = policy_loss(out["logprobs"], micro["old_logprobs"], micro["advantages"], mask,
+        old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
+        loss, clip_frac, approx_kl = policy_loss(out["logprobs"], old, micro["advantages"], mask,
                                                  eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
                                                  is_weights=micro.get("is_weights"))
         stats = {"policy_loss": loss.item(), "clip_frac": clip_frac.item(), "approx_kl": approx_kl.item()}
@@ -449,11 +450,17 @@ def train(a: dict, plan) -> None:
         metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
 
-        # 3. old and reference log-probs
+        # 3. old and reference log-probs. With one optimizer step per rollout and no engine, the policy
+        # that sampled is the one about to be trained: its log-probs come free from the training forward
+        # (unless the KL enters the reward, which needs them before the update).
         t0 = time.perf_counter()
-        batch["old_logprobs"] = per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
+        steps_per_pass = max(1, len(samples) // a["train_batch_size"])
+        fresh = not engines and a["max_epochs"] == 1 and steps_per_pass == 1 and (a["init_kl_coef"] == 0 or kl_in_loss)
+        if not fresh:
+            batch["old_logprobs"] = per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
         if "ref" in groups:
             batch["ref_logprobs"] = per_rank(groups["ref"], "logprobs", batch, a["micro_rollout_batch_size"])
+        if "old_logprobs" in batch and "ref_logprobs" in batch:
             kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a["kl_estimator"]) * mask
         else:
             kl = torch.zeros_like(mask)
@@ -495,7 +502,6 @@ def train(a: dict, plan) -> None:
         # train_batch_size samples per optimizer step
         t0 = time.perf_counter()
         world = len(actor)
-        steps_per_pass = max(1, len(samples) // a["train_batch_size"])
         history, critic_history = [], []
         for _ in range(a["max_epochs"]):
             if "critic" in groups:
@@ -511,6 +517,8 @@ def train(a: dict, plan) -> None:
         metrics["time/train_s"] = time.perf_counter() - t0
         for k in history[0]:
             metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
+        if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
+            metrics["train/kl"] = metrics["train/kl_loss"]
         if critic_history:
             metrics["train/value_loss"] = sum(h["value_loss"] for h in critic_history) / len(critic_history)
             metrics["train/critic_grad_norm"] = sum(h["grad_norm"] for h in critic_history) / len(critic_history)
