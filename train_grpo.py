@@ -127,10 +127,10 @@ def main(
         if dry_run:
             from common.logger import MetricsLogger
 
-            from common.resources import plan_summary
+            from common.resources import plan_rows, plan_summary
 
             show = MetricsLogger(save_path, 0, files=False)  # a dry run writes nothing
-            show.table("resource plan", plan_table(plan))
+            show.table("resource plan", plan_rows(plan))
             show.info(plan_summary(plan))
             return
         train(a, plan)
@@ -182,12 +182,6 @@ def resource_plan(a: dict):
         colocate_all_models=a["colocate_all_models"], use_gpu=use_gpu)
 
 
-def plan_table(plan) -> list[dict]:
-    from common.resources import plan_rows
-
-    return plan_rows(plan)
-
-
 def train(a: dict, plan) -> None:
     import random
 
@@ -203,7 +197,7 @@ def train(a: dict, plan) -> None:
     from common.prompts import build_prompts
     from common.ray_groups import RoleGroup, create_placement_groups, init_ray
     from common.rewards import RemoteReward, load_reward_func, score_with_function
-    from common.resources import check_fits
+    from common.resources import check_fits, plan_rows
     from common.rollout import Samples, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
@@ -329,7 +323,7 @@ def train(a: dict, plan) -> None:
                 "step": f"{a['rollout_batch_size']} prompts x {n} samples, {optim_steps} optimizer step(s)",
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
-    log.table("resource plan", plan_table(plan))
+    log.table("resource plan", plan_rows(plan))
     from common.resources import plan_summary
 
     log.info(plan_summary(plan))

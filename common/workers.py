@@ -7,7 +7,6 @@ micro-batches and, for trained roles, optimizer steps with a loss function that 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -241,12 +240,3 @@ class ModelWorker(BaseWorker):
         if self.dist.rank == 0 and bucket:
             refs.append(ray.put(bucket))
         return refs
-
-    def full_state_dict(self) -> dict:
-        """Gathered weights on CPU (collective under ZeRO-3): for pushing to rollout engines."""
-        from common import ds
-
-        return ds.full_state_dict(self.model)
-
-    def pid(self) -> int:
-        return os.getpid()
