@@ -412,7 +412,8 @@ def train(a: dict, plan) -> None:
         metrics["rollout/reward_mean"] = scores[ok].mean().item()
         metrics["rollout/reward_std"] = scores[ok].std().item() if len(ok) > 1 else 0.0
         metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
-        groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in set(ok) for j in range(n))]
+        usable = set(ok)
+        groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in usable for j in range(n))]
         if a["dynamic_filtering"]:
             same = group_all_equal(scores, n).tolist()
             metrics["rollout/filtered_groups"] = sum(same[g] for g in groups_ok)

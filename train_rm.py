@@ -84,11 +84,10 @@ def train(a: dict) -> None:
 
     from common import ds
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import build_preference_pairs, collate_pairs, iterate_batches, load_rows
+    from common.data import collate_pairs, iterate_batches, load_preference_data
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import bradley_terry_loss, log_exp_loss
     from common.models import attn_implementation, load_reward_model, load_tokenizer, reward_scores, resolve_pretrain
-    from common.tasks import preference_rows
 
     dist = ds.setup_distributed()
     torch.manual_seed(a["seed"])
@@ -102,21 +101,10 @@ def train(a: dict) -> None:
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
     pretrain = resolve_pretrain(a["pretrain"])
     tokenizer = load_tokenizer(pretrain)
-    keys = dict(chosen_key=a["chosen_key"], rejected_key=a["rejected_key"], prompt_key=a["prompt_key"],
-                apply_chat_template=a["apply_chat_template"], max_len=a["max_len"], margin_key=a["margin_key"])
-    if a["dataset"] is None:
-        keys.update(chosen_key="chosen", rejected_key="rejected", prompt_key=None, apply_chat_template=True)
-        train_rows, train_src = preference_rows(4000, "train", seed=0), "built-in copy task"
-        eval_rows, eval_src = preference_rows(256, "eval", seed=0), "built-in copy task (held out)"
-    else:
-        train_rows, train_src = load_rows(a["dataset"], max_samples=a["max_samples"]), a["dataset"]
-        eval_rows, eval_src = None, None
-    if a["eval_dataset"] is not None:
-        eval_rows, eval_src = load_rows(a["eval_dataset"], split="test"), a["eval_dataset"]
-    if a["max_samples"] is not None:
-        train_rows = train_rows[: a["max_samples"]]
-    train_pairs, _ = build_preference_pairs(train_rows, train_src, tokenizer, **keys)
-    eval_pairs = build_preference_pairs(eval_rows, eval_src, tokenizer, **keys)[0] if eval_rows else []
+    train_pairs, train_src, eval_pairs, eval_src = load_preference_data(
+        a["dataset"], a["eval_dataset"], tokenizer, max_samples=a["max_samples"], chosen_key=a["chosen_key"],
+        rejected_key=a["rejected_key"], prompt_key=a["prompt_key"], apply_chat_template=a["apply_chat_template"],
+        max_len=a["max_len"], margin_key=a["margin_key"])
     B = a["train_batch_size"]
     if len(train_pairs) < B:
         raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")

@@ -278,6 +278,23 @@ def _margin(row: dict, key: str, where: str) -> float | None:
     return margin
 
 
+def load_preference_data(dataset: str | None, eval_dataset: str | None, tokenizer, *, max_samples: int | None,
+                         **keys) -> tuple[list[PreferencePair], str, list[PreferencePair], str | None]:
+    """(train pairs, source, eval pairs, source): the built-in copy task when `dataset` is None."""
+    if dataset is None:  # chat messages with their own keys
+        from common.tasks import preference_rows
+        keys = dict(keys, chosen_key="chosen", rejected_key="rejected", prompt_key=None, apply_chat_template=True)
+        train_rows, train_src = preference_rows(4000, "train", seed=0)[:max_samples], "built-in copy task"
+        eval_rows, eval_src = preference_rows(256, "eval", seed=0), "built-in copy task (held out)"
+    else:
+        train_rows, train_src = load_rows(dataset, max_samples=max_samples), dataset
+        eval_rows, eval_src = None, None
+    if eval_dataset is not None:
+        eval_rows, eval_src = load_rows(eval_dataset, split="test"), eval_dataset
+    held_out = build_preference_pairs(eval_rows, eval_src, tokenizer, **keys)[0] if eval_rows else []
+    return build_preference_pairs(train_rows, train_src, tokenizer, **keys)[0], train_src, held_out, eval_src
+
+
 def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, Any]:
     """One batch of 2B right-padded sequences: rows 0..B-1 prompt+chosen, B..2B-1 prompt+rejected.
 

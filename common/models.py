@@ -94,10 +94,11 @@ def load_reward_model(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa"
     return model
 
 
-def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The scalar head on every position. input_ids, attention_mask: [B, T] -> [B, T] fp32."""
+def token_values(model, **inputs) -> torch.Tensor:
+    """The scalar head on every position: model inputs (input_ids [B, T] with attention_mask, or packed
+    rows with position_ids) -> [B, T] fp32."""
     module = getattr(model, "module", model)
-    hidden = module.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = module.base_model(**inputs).last_hidden_state
     return module.score(hidden).squeeze(-1).float()
 
 
@@ -110,5 +111,5 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The reward of each (right-padded) sequence: the head at its last real token. -> [B] fp32."""
-    values = token_values(model, input_ids, attention_mask)
+    values = token_values(model, input_ids=input_ids, attention_mask=attention_mask)
     return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)

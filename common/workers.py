@@ -87,9 +87,10 @@ class ModelWorker(BaseWorker):
 
     def _token_values(self, micro: dict) -> torch.Tensor:
         """Critic values at the positions that predict each next token: [b, t-1]."""
+        from common.models import token_values
+
         inputs, packed = self._inputs(micro)
-        module = getattr(self.model, "module", self.model)
-        values = module.score(module.base_model(**inputs).last_hidden_state).squeeze(-1).float()
+        values = token_values(self.model, **inputs)
         return packed.unpack_next_token(values) if packed is not None else values[:, :-1]
 
     def _micro_batches(self, batch: dict, size: int):
