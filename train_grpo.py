@@ -158,8 +158,6 @@ def check_options(a: dict) -> None:
     require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
     require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
             f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
-    require(a["vllm_sync_backend"] in ("auto", "ray"),
-            f"--vllm_sync_backend {a['vllm_sync_backend']}: this version syncs through Ray's object store; use auto or ray")
     require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
             "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
@@ -201,7 +199,8 @@ def train(a: dict, plan) -> None:
     from common.rollout import Samples, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
-    from common.vllm_engine import EngineSpec, generate_balanced, start_engines, sync_weights
+    from common.vllm_engine import EngineSpec, generate_balanced, start_engines
+    from common.weight_sync import WeightSync, choose_transport
     from common.workers import ModelSpec, ModelWorker
 
     random.seed(a["seed"])
@@ -242,10 +241,12 @@ def train(a: dict, plan) -> None:
                 "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
     require(a["vllm_tensor_parallel_size"] == 1 or a["vllm_num_engines"] == 0,
             "--vllm_tensor_parallel_size > 1 is not supported yet: use more engines of size 1")
+    roles = {r.role: r for r in plan.roles}
+    transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
+                                 colocated=plan.vllm_group == roles["actor"].group) if a["vllm_num_engines"] else None
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
     check_fits(plan, resources)
     pgs = create_placement_groups(plan)
-    roles = {r.role: r for r in plan.roles}
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"],
@@ -282,6 +283,8 @@ def train(a: dict, plan) -> None:
                                 roles["actor"].cpu_fraction if shared else 1.0)
     infos = [get(p, 1800, "model setup") for p in pending]
     actor = groups["actor"]
+    sync = WeightSync(actor, engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
+                      timeout_s=a["vllm_sync_timeout"]) if engines else None
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
@@ -298,7 +301,7 @@ def train(a: dict, plan) -> None:
                         os.path.join(ckpt_root, "actor"), os.path.join(ckpt_root, role)))[0]
 
     if resume_from and engines:  # the engines start from --pretrain; give them the resumed weights
-        sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"])
+        sync()
     trained = [groups[r] for r in ["actor"] if r in groups]
 
     def ds_sleep(method: str) -> float:
@@ -498,7 +501,7 @@ def train(a: dict, plan) -> None:
                     metrics[f"mem/{g.role}_{k}"] = v
         if engines:
             vllm_sleep("wake_up", ["weights"])
-            metrics.update(sync_weights(actor, engines, bucket_mb=a["vllm_sync_bucket_mb"], timeout_s=a["vllm_sync_timeout"]))
+            metrics.update(sync())
         metrics["time/offload_s"] = ds_sleep("offload_states")
         if engines:
             vllm_sleep("wake_up", ["kv_cache"])

@@ -140,7 +140,7 @@ ColocateAll = Annotated[bool, flag("colocate_all_models", "All models (and vLLM 
 VllmNumEngines = Annotated[int, opt("vllm_num_engines", "vLLM engines for rollouts (0: the policy generates itself).", ROLLOUT, min=0)]
 VllmTP = Annotated[int, opt("vllm_tensor_parallel_size", "GPUs per vLLM engine.", ROLLOUT, min=1)]
 VllmGpuMemUtil = Annotated[float, opt("vllm_gpu_memory_utilization", "Fraction of GPU memory vLLM may take.", ROLLOUT, min=0.0, max=1.0)]
-VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport: nccl | gloo | auto.", ROLLOUT)]
+VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport: auto | cuda_ipc | nccl | gloo | ray (auto: CUDA IPC on a shared GPU, NCCL between GPUs, gloo on CPU).", ROLLOUT)]
 VllmEnableSleep = Annotated[bool, flag("vllm_enable_sleep", "Put vLLM to sleep while training (hybrid engine; needs --colocate_all_models).", ROLLOUT)]
 EnablePrefixCaching = Annotated[bool, flag("enable_prefix_caching", "vLLM prefix caching.", ROLLOUT)]
 EnforceEager = Annotated[bool, flag("enforce_eager", "Disable CUDA graphs in vLLM.", ROLLOUT)]

@@ -5,19 +5,15 @@ in seconds and takes tensors directly, with no serialisation between engine and 
 in as token ids and samples come out as token ids with the engine's log-prob of each sampled token,
 so the trainer can check that both sides agree (`rollout/logprob_diff`).
 
-Weight sync is one path with the transport as a parameter: the actor's rank 0 gathers the weights
-(ZeRO-3: a collective over the actor's ranks) in buckets of `bucket_mb`, each bucket travels to every
-engine, and each engine loads the complete set with vLLM's `reload_weights` once all buckets are in.
-Transports: "ray" (the object store: CPU, or GPUs on different nodes) is what runs here; CUDA IPC and
-NCCL belong to the GPU path (docs/performance.md says what was measured there).
+The engine's side of the weight sync (joining the sync group, receiving buckets, loading them) is
+here; the protocol and the transports (CUDA IPC, NCCL, gloo, Ray's object store) are in
+`common.weight_sync`.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-
-from common.errors import TrainingError, UserError
 
 
 @dataclass(frozen=True)
@@ -52,8 +48,6 @@ class VllmEngine:
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs")
-        # name -> tensor: a bucket that arrives late (its sync timed out) is overwritten, not loaded twice
-        self._pending: dict = {}
 
     def ready(self) -> int:
         return self.index
@@ -84,22 +78,35 @@ class VllmEngine:
                 s.logprobs.append([lp[t].logprob for t, lp in zip(ids, c.logprobs)])
         return s
 
-    # ---------------------------------------------------------------- weight sync
-    def receive_bucket(self, bucket) -> int:
-        """Keep one bucket ([(name, tensor)], or an ObjectRef to it) until `load_weights`."""
+    # ---------------------------------------------------------------- weight sync (common.weight_sync)
+    def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        from common.weight_sync import join_group
+
+        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
+
+    def receive_weights(self, buckets: list, transport: str, payloads: list | None) -> float:
+        """Take every bucket, then load them in one reload; returns the seconds spent loading."""
         import ray
+        import torch
 
-        if isinstance(bucket, ray.ObjectRef):
-            bucket = ray.get(bucket)
-        self._pending.update(bucket)
-        return len(bucket)
+        from common import weight_sync as ws
 
-    def load_weights(self) -> float:
-        """Load every pending bucket in one reload (vLLM repacks weights per layer); returns seconds."""
+        weights = []
+        for i, bucket in enumerate(buckets):
+            if transport == "ray":
+                flat = ray.get(payloads[i])
+            elif transport == "cuda_ipc":
+                flat = ws.open_shared(payloads[i])
+            else:
+                device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+                flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
+                ws.broadcast(self._sync_group, flat)
+            weights += ws.unpack(flat, bucket)
         t0 = time.perf_counter()
-        weights, self._pending = self._pending, {}
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
+        if transport == "cuda_ipc":
+            torch.cuda.current_stream().synchronize()  # done reading the actor's buffers before it frees them
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- sleep (GPU only)
@@ -146,38 +153,3 @@ def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict
         out.truncated += part.truncated
         out.logprobs += part.logprobs
     return out
-
-
-def sync_weights(actor_group, engines: list, *, bucket_mb: float = 256, timeout_s: float = 300) -> dict:
-    """Push the actor's current weights to every engine, bucket by bucket. Returns timings.
-
-    A sync that does not finish within `timeout_s` (all of it: gather, transfer, load) stops the run
-    with a UserError naming the engine that did not answer. An engine only takes the buckets once
-    it is idle (Ray runs an actor's calls one at a time), so a generate call still running counts.
-    """
-    import ray
-
-    from common.ray_groups import _describe
-
-    t0 = time.perf_counter()
-    deadline = t0 + timeout_s
-
-    def wait(refs, who: str):
-        try:
-            return ray.get(refs, timeout=max(0.0, deadline - time.perf_counter()))
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(f"weight sync: {who} did not finish within {timeout_s:g} s (raise --vllm_sync_timeout "
-                            "if the model is large or the engines are slow to become idle)") from None
-        except ray.exceptions.RayError as e:
-            raise TrainingError(f"weight sync: {who} failed: {_describe(e)}") from None
-
-    # Every actor rank takes part (ZeRO-3 gathers are collective); rank 0 returns the bucket refs.
-    refs = wait(actor_group.async_call("weight_buckets", bucket_mb), "the actor's weight gather")[0]
-    gathered = time.perf_counter() - t0
-    # Every engine receives in parallel; each loads as soon as it has all buckets (Ray runs an
-    # actor's calls in order, so load_weights follows that engine's receive_bucket calls).
-    received = [[e.receive_bucket.remote(r) for r in refs] for e in engines]
-    loads = [e.load_weights.remote() for e in engines]
-    for i in range(len(engines)):
-        wait(received[i] + [loads[i]], f"vLLM engine {i}")
-    return {"time/weight_gather_s": gathered, "time/weight_sync_s": time.perf_counter() - t0, "sync/buckets": len(refs)}

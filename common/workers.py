@@ -220,24 +220,57 @@ class ModelWorker(BaseWorker):
 
         return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
 
-    def weight_buckets(self, bucket_mb: float) -> list:
-        """Gather the weights (collective under ZeRO-3) into buckets of about `bucket_mb` MB; rank 0
-        puts each bucket in the Ray object store and returns the refs, other ranks return []."""
+    # ---------------------------------------------------------------- weight sync to vLLM (common.weight_sync)
+    def _named_params(self) -> list:
+        return list(getattr(self.model, "module", self.model).named_parameters())
+
+    def weight_plan(self, bucket_mb: float) -> list:
+        """The buckets `send_weights` will send, in order (ZeRO-3 shapes are the full ones)."""
+        from common.weight_sync import plan_buckets
+
+        named = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self._named_params()]
+        return plan_buckets(named, bucket_mb, self.dtype)
+
+    def sync_address(self) -> tuple[str, int]:
+        import ray
+
+        from common.ray_groups import _free_port
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        from common.weight_sync import join_group
+
+        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
+
+    def send_weights(self, transport: str, bucket_mb: float, senders: int = 1) -> list:
+        """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.
+        Returns the payloads: object refs ("ray"), IPC handles ("cuda_ipc") or nothing (broadcast).
+        With CUDA IPC engine i maps the copy of the actor rank on its GPU, rank i (i < `senders`)."""
         import deepspeed
         import ray
 
-        module = getattr(self.model, "module", self.model)
-        limit = bucket_mb * 2**20
-        refs, bucket, size = [], [], 0
-        for name, p in module.named_parameters():
-            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
-                if self.dist.rank == 0:
-                    t = p.detach().to(device="cpu", dtype=self.dtype, copy=True)  # the engines run in the compute dtype
-                    bucket.append((name, t))
-                    size += t.numel() * t.element_size()
-            if self.dist.rank == 0 and size >= limit:
-                refs.append(ray.put(bucket))
-                bucket, size = [], 0
-        if self.dist.rank == 0 and bucket:
-            refs.append(ray.put(bucket))
-        return refs
+        from common import weight_sync as ws
+
+        params = dict(self._named_params())
+        device = self.dist.device if transport in ("nccl", "cuda_ipc") else torch.device("cpu")
+        out, self._sync_keep = [], []
+        for bucket in self.weight_plan(bucket_mb):
+            group = [params[n] for n in bucket.names]
+            with deepspeed.zero.GatheredParameters(group, enabled=hasattr(group[0], "ds_id")):
+                flat = ws.pack(group, self.dtype, device) if self.dist.rank < senders else None
+            if flat is None:
+                continue
+            if transport == "ray":
+                out.append(ray.put(flat))
+            elif transport == "cuda_ipc":
+                self._sync_keep.append(flat)  # alive until the engines have loaded (release_sync_buffers)
+                out.append(ws.share(flat))
+            else:
+                ws.broadcast(self._sync_group, flat)
+        if transport == "cuda_ipc":
+            torch.cuda.current_stream().synchronize()  # the engines read what the copies wrote
+        return out
+
+    def release_sync_buffers(self) -> None:
+        self._sync_keep = []

@@ -53,6 +53,7 @@ def rig(ray_cluster):
     from common.tasks import prompt_rows
     from common.tiny import tiny_model_path
     from common.vllm_engine import EngineSpec, start_engines
+    from common.weight_sync import WeightSync
     from common.workers import ModelSpec, ModelWorker
 
     path = tiny_model_path()
@@ -71,10 +72,12 @@ def rig(ray_cluster):
                            pgs["vllm"], 0, 0.0, 1.0)[0]
     get(setup, 600, "actor setup")
     print(f"actor + engine ready in {time.perf_counter() - t0:.1f} s")
+    # ~3 MB of fp32 in buckets of 0.5 MB: several buckets per sync, through each CPU transport
+    syncs = {t: WeightSync(actor, [engine], transport=t, bucket_mb=0.5, timeout_s=120) for t in ("gloo", "ray")}
     tok = load_tokenizer(path)
     prompts = [p.prompt_ids for p in build_prompts(prompt_rows(8, "eval", seed=3), "copy task", tok,
                                                     apply_chat_template=True)[0]]
-    yield SimpleNamespace(actor=actor, engine=engine, tok=tok, prompts=prompts)
+    yield SimpleNamespace(actor=actor, engine=engine, tok=tok, prompts=prompts, syncs=syncs)
     actor.shutdown()
     ray.kill(engine)
     for pg in pgs.values():
@@ -94,9 +97,11 @@ def _trainer_logprobs(rig, samples):
     return lp, batch["gen_logprobs"], batch["action_mask"]
 
 
-def test_engine_follows_the_trainer_after_sync(rig):
+@pytest.mark.parametrize("transport,answer", [("gloo", "fish fish fish"), ("ray", "cat dog")])
+def test_engine_follows_the_trainer_after_sync(rig, transport, answer):
+    """Each transport in turn: the engine holds the trainer's weights at the start (the first run's
+    sync left it so), and after training toward a new answer it follows only once synced."""
     from common.rollout import Samples, make_batch
-    from common.vllm_engine import sync_weights
 
     prompts = rig.prompts
     before = _engine(rig, prompts, GREEDY)
@@ -105,7 +110,7 @@ def test_engine_follows_the_trainer_after_sync(rig):
     words = [rig.tok.decode(r, skip_special_tokens=True) for r in before.response_ids]
 
     # Train toward one fixed answer for every prompt, so the greedy output must change.
-    target = rig.tok.encode("fish fish fish", add_special_tokens=False) + [rig.tok.eos_token_id]
+    target = rig.tok.encode(answer, add_special_tokens=False) + [rig.tok.eos_token_id]
     batch = make_batch(Samples(prompts, [target] * len(prompts), list(range(len(prompts))), [False] * len(prompts)),
                        rig.tok.pad_token_id)
     for _ in range(6):
@@ -120,7 +125,7 @@ def test_engine_follows_the_trainer_after_sync(rig):
     lp, gen, mask = _trainer_logprobs(rig, stale)
     stale_gap = ((lp - gen).abs() * mask).sum() / mask.sum()
 
-    m = sync_weights(rig.actor, [rig.engine], bucket_mb=0.5, timeout_s=120)  # ~3 MB of fp32: several buckets
+    m = rig.syncs[transport]()
     assert m["sync/buckets"] > 1 and m["time/weight_sync_s"] < 30, m
     after = _engine(rig, prompts, GREEDY)
     assert after.response_ids == hf_after.response_ids
@@ -130,7 +135,7 @@ def test_engine_follows_the_trainer_after_sync(rig):
     lp, gen, mask = _trainer_logprobs(rig, fresh)
     gap = (lp - gen).abs() * mask
     mean_gap = gap.sum() / mask.sum()
-    print(f"sync {m['time/weight_sync_s'] * 1e3:.0f} ms in {m['sync/buckets']} buckets; |trainer - engine| "
+    print(f"{transport} sync {m['time/weight_sync_s'] * 1e3:.0f} ms in {m['sync/buckets']} buckets; |trainer - engine| "
           f"log-prob: mean {mean_gap:.2e}, max {gap.max():.2e}; before the sync: mean {stale_gap:.2e}")
     assert mean_gap < MEAN_LOGPROB_TOL and gap.max() < TOKEN_LOGPROB_TOL
     assert stale_gap > 100 * MEAN_LOGPROB_TOL  # the comparison can tell old weights from new ones
@@ -153,7 +158,7 @@ def test_sync_timeout_names_the_engine(rig):
     """An engine busy with a long generate call cannot take the buckets in time (Ray runs one call
     of an actor at a time): the sync stops naming it; once idle, the engine syncs normally."""
     from common.errors import UserError
-    from common.vllm_engine import sync_weights
+    from common.weight_sync import WeightSync
 
     # A rollout big enough to keep the engine busy for ~8 s, sized from a timed small one (the tiny
     # model answers in ~4 tokens, so only the number of samples makes a generate call long).
@@ -165,7 +170,7 @@ def test_sync_timeout_names_the_engine(rig):
     time.sleep(0.5)  # let the engine start on it
     t0 = time.perf_counter()
     with pytest.raises(UserError, match=r"vLLM engine 0 did not finish within 2 s.*--vllm_sync_timeout"):
-        sync_weights(rig.actor, [rig.engine], bucket_mb=0.5, timeout_s=2)
+        WeightSync(rig.actor, [rig.engine], transport="ray", bucket_mb=0.5, timeout_s=2)()
     waited = time.perf_counter() - t0
     assert waited < 5, waited
     assert not ray.wait([busy], timeout=0)[0], "the engine finished its generate call before the sync timed out"
@@ -175,7 +180,7 @@ def test_sync_timeout_names_the_engine(rig):
 
     # The late buckets of the failed sync arrive after the generate call; a new sync still leaves
     # the engine with exactly the trainer's weights.
-    sync_weights(rig.actor, [rig.engine], bucket_mb=0.5, timeout_s=120)
+    rig.syncs["ray"]()
     assert _engine(rig, rig.prompts, GREEDY).response_ids == rig.actor.call("generate", rig.prompts, GREEDY, 0)[0].response_ids
 
 
