@@ -59,6 +59,7 @@ def main(
     adam_betas: o.AdamBetas = (0.9, 0.95),
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
+    skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
     local_rank: o.LocalRank = -1,
@@ -129,7 +130,7 @@ def train(a: dict) -> None:
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
-    state = {"step": 0, "epoch": 0, "step_in_epoch": 0}
+    state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "skipped_updates": 0}
     resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
     if resume_from:
         state = load_checkpoint(resume_from, {"policy": engine}, rank=dist.rank)
@@ -190,7 +191,7 @@ def train(a: dict) -> None:
     # ---- train
     per_rank = B // dist.world_size
     micro = a["micro_train_batch_size"]
-    step = state["step"]
+    step, skipped = state["step"], state.get("skipped_updates", 0)  # older checkpoints have no count
     batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
     preempt = Preemption()
     engine.train()
@@ -202,13 +203,23 @@ def train(a: dict) -> None:
         for i in range(0, per_rank, micro):
             chunk = mine[i: i + micro]
             loss, s = pair_loss(chunk)
-            if not torch.isfinite(loss):  # stop before a NaN reaches the weights
+            if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the policy loss is {loss.item()}; lower the learning rate "
-                                    "or check the data (nothing after the last checkpoint was saved)")
-            engine.backward(loss)
+                                    "or check the data, or pass --skip_nonfinite_updates to skip such updates "
+                                    "(nothing after the last checkpoint was saved)")
+            # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
+            # its NaN gradients make DeepSpeed skip the update on every rank.
+            engine.backward(ds.poison_nonfinite(loss))
             engine.step()
             sums += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], s["chosen"], s["rejected"],
                                   s["tokens"]], dtype=torch.float64)
+        if not engine.was_step_applied():  # DeepSpeed skips an update whose gradients are not finite
+            if not a["skip_nonfinite_updates"]:
+                raise TrainingError(f"step {step + 1}: the policy loss is finite but its gradients are not; "
+                                    "the update was skipped, so the weights are unchanged. Lower the learning rate or "
+                                    "check the data, or pass --skip_nonfinite_updates to continue past such steps "
+                                    "(nothing after the last checkpoint was saved)")
+            skipped += 1
         if dist.world_size > 1:
             torch.distributed.all_reduce(sums)
         step += 1
@@ -219,6 +230,8 @@ def train(a: dict) -> None:
                    "train/rejected_reward": sums[4].item() / B, "train/lr": engine.get_lr()[0],
                    "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": sums[5].item() / dt, "train/epoch": epoch}
+        if a["skip_nonfinite_updates"]:
+            metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
             metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         last = step == total_steps
@@ -232,7 +245,7 @@ def train(a: dict) -> None:
         if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"policy": engine},
-                                   {"step": step, "epoch": pos[0], "step_in_epoch": pos[1]},
+                                   {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
                                    rank=dist.rank, max_keep=a["max_ckpt_num"])
             log.info(f"checkpoint saved: {path}")
         if preempted:

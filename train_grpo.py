@@ -80,6 +80,7 @@ def main(
     adam_betas: o.AdamBetas = (0.9, 0.95),
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
+    skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
     packing_samples: o.PackingSamples = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
@@ -288,7 +289,7 @@ def train(a: dict, plan) -> None:
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
-    state = {"step": 0, "episode": 0, "step_in_episode": 0}
+    state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {"actor": 0}}
     resume_from = None
     if a["load_checkpoint"]:
         from common.checkpoint import latest_checkpoint
@@ -400,6 +401,7 @@ def train(a: dict, plan) -> None:
         batch_prompts = [prompts[i] for i in idx]
         metrics = {}
 
+    skipped = state.get("skipped_updates", {"actor": 0})  # per role; older checkpoints have none
         # 1. generate
         t0 = time.perf_counter()
         samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
@@ -483,7 +485,8 @@ def train(a: dict, plan) -> None:
         for _ in range(a["max_epochs"]):
             parts = actor.call_per_rank("train", [(b, actor_loss) for b in split_batch(batch, world)],
                                         output="logprobs", micro_batch=a["micro_train_batch_size"],
-                                        steps=steps_per_pass, entropy=True)
+                                        steps=steps_per_pass, entropy=True,
+                                        skip_nonfinite=a["skip_nonfinite_updates"], step=step + 1)
             history += parts[0]
         metrics["time/train_s"] = time.perf_counter() - t0
         for k in history[0]:
@@ -493,10 +496,13 @@ def train(a: dict, plan) -> None:
 
         # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
         # vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
+        skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
         # offloading first made the engines load stale shards), then the training states leave the GPU,
         # and only then does vLLM's KV cache, the largest piece, wake
         if plan.use_gpu:
             for g in trained:
+        if a["skip_nonfinite_updates"]:
+            metrics["train/skipped_updates"] = skipped["actor"]
                 for k, v in g.call("gpu_memory")[0].items():
                     metrics[f"mem/{g.role}_{k}"] = v
         if engines:
@@ -534,7 +540,7 @@ def train(a: dict, plan) -> None:
         preempted = step < total_steps and preempt.requested()
         if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps) or preempted:
             pos = (episode + 1, 0) if step_in_episode + 1 == steps_per_episode else (episode, step_in_episode + 1)
-            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1]}
+            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
             # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
             for g in reversed(trained):
                 path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"])[0]

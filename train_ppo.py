@@ -84,6 +84,7 @@ def main(
     adam_betas: o.AdamBetas = (0.9, 0.95),
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
+    skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
     packing_samples: o.PackingSamples = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
@@ -298,7 +299,7 @@ def train(a: dict, plan) -> None:
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
-    state = {"step": 0, "episode": 0, "step_in_episode": 0}
+    state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {"actor": 0, "critic": 0}}
     resume_from = None
     if a["load_checkpoint"]:
         from common.checkpoint import latest_checkpoint
@@ -414,6 +415,7 @@ def train(a: dict, plan) -> None:
         batch_prompts = [prompts[i] for i in idx]
         metrics = {}
 
+    skipped = state.get("skipped_updates", {"actor": 0, "critic": 0})  # per role; older checkpoints have none
         # 1. generate
         t0 = time.perf_counter()
         samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
@@ -505,10 +507,12 @@ def train(a: dict, plan) -> None:
             if "critic" in groups:
                 critic = groups["critic"]
                 critic_refs = critic.async_call_per_rank("train", [(b, critic_loss) for b in split_batch(batch, len(critic))],
-                                                         output="values", micro_batch=a["micro_train_batch_size"], steps=steps_per_pass)
+                                                         output="values", micro_batch=a["micro_train_batch_size"], steps=steps_per_pass,
+                                                         skip_nonfinite=a["skip_nonfinite_updates"], step=step + 1)
             parts = actor.call_per_rank("train", [(b, actor_loss) for b in split_batch(batch, world)],
                                         output="logprobs", micro_batch=a["micro_train_batch_size"],
-                                        steps=steps_per_pass, entropy=True)
+                                        steps=steps_per_pass, entropy=True,
+                                        skip_nonfinite=a["skip_nonfinite_updates"], step=step + 1)
             history += parts[0]
             if "critic" in groups:
                 critic_history += get(critic_refs, 1800, "critic training")[0]
@@ -520,13 +524,19 @@ def train(a: dict, plan) -> None:
         if critic_history:
             metrics["train/value_loss"] = sum(h["value_loss"] for h in critic_history) / len(critic_history)
             metrics["train/critic_grad_norm"] = sum(h["grad_norm"] for h in critic_history) / len(critic_history)
+        skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
 
         # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
         # vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
         # offloading first made the engines load stale shards), then the training states leave the GPU,
+        if a["skip_nonfinite_updates"]:
+            metrics["train/skipped_updates"] = skipped["actor"]
         # and only then does vLLM's KV cache, the largest piece, wake
         if plan.use_gpu:
             for g in trained:
+            skipped["critic"] += int(sum(h["skipped"] for h in critic_history))
+            if a["skip_nonfinite_updates"]:
+                metrics["train/critic_skipped_updates"] = skipped["critic"]
                 for k, v in g.call("gpu_memory")[0].items():
                     metrics[f"mem/{g.role}_{k}"] = v
         if engines:
@@ -564,7 +574,7 @@ def train(a: dict, plan) -> None:
         preempted = step < total_steps and preempt.requested()
         if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps) or preempted:
             pos = (episode + 1, 0) if step_in_episode + 1 == steps_per_episode else (episode, step_in_episode + 1)
-            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1]}
+            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
             # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
             for g in reversed(trained):
                 path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"])[0]

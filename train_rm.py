@@ -55,6 +55,7 @@ def main(
     adam_betas: o.AdamBetas = (0.9, 0.95),
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
+    skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
     local_rank: o.LocalRank = -1,
@@ -121,7 +122,7 @@ def train(a: dict) -> None:
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
-    state = {"step": 0, "epoch": 0, "step_in_epoch": 0}
+    state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "skipped_updates": 0}
     resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
     if resume_from:
         state = load_checkpoint(resume_from, {"model": engine}, rank=dist.rank)
@@ -169,7 +170,7 @@ def train(a: dict) -> None:
     # ---- train
     per_rank = B // dist.world_size
     micro = a["micro_train_batch_size"]
-    step = state["step"]
+    step, skipped = state["step"], state.get("skipped_updates", 0)  # older checkpoints have no count
     batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
     preempt = Preemption()
     engine.train()
@@ -184,13 +185,23 @@ def train(a: dict) -> None:
                 loss = log_exp_loss(chosen, rejected)
             else:
                 loss = bradley_terry_loss(chosen, rejected, batch["margin"] if batch["has_margin"] else None)
-            if not torch.isfinite(loss):  # stop before a NaN reaches the weights
+            if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the reward model loss is {loss.item()}; lower the learning rate "
-                                    "or check the data (nothing after the last checkpoint was saved)")
-            engine.backward(loss)
+                                    "or check the data, or pass --skip_nonfinite_updates to skip such updates "
+                                    "(nothing after the last checkpoint was saved)")
+            # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
+            # its NaN gradients make DeepSpeed skip the update on every rank.
+            engine.backward(ds.poison_nonfinite(loss))
             engine.step()
             sums += torch.tensor([loss.item() * len(chosen), (chosen > rejected).sum().item(), chosen.sum().item(),
                                   rejected.sum().item(), batch["attention_mask"].sum().item()], dtype=torch.float64)
+        if not engine.was_step_applied():  # DeepSpeed skips an update whose gradients are not finite
+            if not a["skip_nonfinite_updates"]:
+                raise TrainingError(f"step {step + 1}: the reward model loss is finite but its gradients are not; "
+                                    "the update was skipped, so the weights are unchanged. Lower the learning rate or "
+                                    "check the data, or pass --skip_nonfinite_updates to continue past such steps "
+                                    "(nothing after the last checkpoint was saved)")
+            skipped += 1
         if dist.world_size > 1:
             torch.distributed.all_reduce(sums)
         step += 1
@@ -200,6 +211,8 @@ def train(a: dict) -> None:
                    "train/chosen_reward": sums[2].item() / B, "train/rejected_reward": sums[3].item() / B,
                    "train/lr": engine.get_lr()[0], "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": sums[4].item() / dt, "train/epoch": epoch}
+        if a["skip_nonfinite_updates"]:
+            metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
             metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         last = step == total_steps
@@ -213,7 +226,7 @@ def train(a: dict) -> None:
         if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"model": engine},
-                                   {"step": step, "epoch": pos[0], "step_in_epoch": pos[1]},
+                                   {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
                                    rank=dist.rank, max_keep=a["max_ckpt_num"])
             log.info(f"checkpoint saved: {path}")
         if preempted:

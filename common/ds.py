@@ -46,6 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _no_overflow_line(record) -> bool:
+    """DeepSpeed warns at each update it skips for non-finite gradients; our own log counts them in
+    train/skipped_updates (or the run stops naming the step), so its line would only repeat that."""
+    return "OVERFLOW! Skipping step" not in record.getMessage()
+
+
 def quiet_libraries() -> None:
     """Only the driver prints: keep DeepSpeed's and transformers' own progress bars and info lines out."""
     import logging
@@ -59,6 +65,7 @@ def quiet_libraries() -> None:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+    ds_logger.addFilter(_no_overflow_line)  # added once however often this runs: the same function
 
 
 def setup_distributed(timeout_s: float = 1800) -> DistInfo:
@@ -149,16 +156,36 @@ def zero3_loading(config: dict):
     return HfDeepSpeedConfig(config)
 
 
+class _SkipNonfinite:
+    """Mixed into the optimizer under ZeRO-0, the one case where DeepSpeed steps it with non-finite
+    gradients (fp32: clipping by a NaN norm, then AdamW writes NaN into every weight).
+
+    DeepSpeed's ZeRO-1/2/3 and bf16 optimizers skip such an update themselves and set `overflow`,
+    which the engine reads after each step: it then counts the step in `skipped_steps`, answers
+    `was_step_applied()` with False and holds the LR scheduler back. This gives a plain optimizer the
+    same behaviour: weights and moments stay as they were. The gradients are all-reduced by then, so
+    every rank decides alike. (Under bf16 ZeRO-0 DeepSpeed has checked already; this finds nothing.)
+    """
+
+    overflow = False
+
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not bool(torch.stack([g.isfinite().all() for g in grads]).all())
+        return None if self.overflow else super().step(closure)
+
+
 def _optimizer(params, s: DSSettings, lr: float, betas, weight_decay: float):
+    kwargs = {}
     if s.adam_offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    if s.fused_adam:
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=torch.cuda.is_available())
+        from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+    elif s.fused_adam:
+        from deepspeed.ops.adam import FusedAdam as cls
+    else:
+        cls, kwargs = torch.optim.AdamW, {"fused": torch.cuda.is_available()}
+    if s.zero_stage == 0:
+        cls = type(cls.__name__, (_SkipNonfinite, cls), {})
+    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
 
 
 def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: float, total_steps: int,
@@ -198,6 +225,16 @@ def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.devi
 
     engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype))
     engine.eval()
+def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """The loss to backpropagate so that a non-finite loss skips the update it belongs to.
+
+    An infinite loss can still have finite gradients (inf + f(w)), which the optimizer would apply;
+    times NaN, every gradient it reaches is NaN, so the update is skipped (DeepSpeed's gradient-norm
+    check, or `_SkipNonfinite` under ZeRO-0), on every rank alike since both see all-reduced gradients.
+    """
+    return loss if torch.isfinite(loss) else loss * float("nan")
+
+
     return engine
 
 

@@ -63,6 +63,7 @@ WeightDecay = Annotated[float, opt("l2", "AdamW weight decay.", OPTIM, min=0.0)]
 AdamBetas = Annotated[tuple[float, float], opt("adam_betas", "AdamW betas.", OPTIM)]
 MaxNorm = Annotated[float, opt("max_norm", "Gradient clipping norm (0 = off).", OPTIM, min=0.0)]
 Seed = Annotated[int, opt("seed", "Random seed (data order, sampling, init of new heads).", OPTIM)]
+SkipNonfiniteUpdates = Annotated[bool, flag("skip_nonfinite_updates", "Skip an optimizer update whose loss or gradients are not finite and count it in train/skipped_updates, instead of stopping.", OPTIM)]
 
 # --- DeepSpeed ---------------------------------------------------------------------------------
 ZeroStage = Annotated[int, opt("zero_stage", "DeepSpeed ZeRO stage 0-3.", DS)]

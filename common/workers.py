@@ -140,14 +140,21 @@ class ModelWorker(BaseWorker):
                            synced_gpus=synced, **sampling)
 
     # ---------------------------------------------------------------- training
-    def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False) -> list[dict]:
+    def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False,
+              skip_nonfinite: bool = False, step: int | None = None) -> list[dict]:
         """`steps` optimizer steps over this rank's shard, split evenly; returns one stats dict per step.
 
         loss_fn(out, micro) -> (loss, stats): `out` is {"logprobs": [b, t-1], "entropy": ...} for a
         causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors.
         """
         self.model.train()
+        A non-finite loss or gradient raises FloatingPointError naming the role and `step` (the
+        driver's step number); with `skip_nonfinite` that update is skipped instead (the weights stay
+        as they were) and its stats say "skipped": 1.
         N = batch["input_ids"].shape[0]
+        from common.ds import poison_nonfinite
+
+        at = f"step {step}, " if step is not None else ""
         bounds = [round(s * N / steps) for s in range(steps + 1)]
         # Filtering can leave fewer samples than the configured batch: close each optimizer step
         # ourselves and weight the micro-batches so the step still averages over what it got.
@@ -165,18 +172,28 @@ class ModelWorker(BaseWorker):
                 else:
                     out = {"values": self._token_values(micro)}
                 loss, stats = loss_fn(out, micro)
-                if not torch.isfinite(loss):  # stop before a NaN reaches the weights
-                    raise FloatingPointError(f"{self.role} loss is {loss.item()} at optimizer step {s + 1} of this "
-                                             "batch; lower the learning rate or check the rewards")
+                if not skip_nonfinite and not torch.isfinite(loss):  # stop before a NaN reaches the weights
+                    raise FloatingPointError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is "
+                                             f"{loss.item()}; lower the learning rate or check the rewards, or pass "
+                                             "--skip_nonfinite_updates to skip such updates")
                 self.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
-                self.model.backward(loss * (gas / len(micros)))  # DeepSpeed divides by gas
+                # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
+                # its NaN gradients make DeepSpeed skip the update on every rank.
+                self.model.backward(poison_nonfinite(loss) * (gas / len(micros)))  # DeepSpeed divides by gas
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
             n_micro = len(micros)
             stats = {k: v / n_micro for k, v in acc.items()}
+            skipped = not self.model.was_step_applied()  # DeepSpeed skips an update with non-finite gradients
+            if skipped and not skip_nonfinite:
+                raise FloatingPointError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is finite but "
+                                         "its gradients are not; the update was skipped, so the weights are unchanged. "
+                                         "Lower the learning rate or check the rewards, or pass "
+                                         "--skip_nonfinite_updates to continue past such steps")
             norm = self.model.get_global_grad_norm()
             stats["grad_norm"] = float(norm) if norm is not None else float("nan")
+            stats["skipped"] = float(skipped)
             stats["lr"] = self.model.get_lr()[0]
             stats["step_s"] = time.perf_counter() - t0
             history.append(stats)

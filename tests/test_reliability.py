@@ -1,6 +1,7 @@
 """Faults: preemption, a kill during a save, dead workers, hung reward servers, NaN losses."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,74 @@ def test_nan_loss_stops_the_run_with_the_step(tmp_path):
     p = script("train_rm.py", "--save_path", str(tmp_path), "--learning_rate", "1e30", "--max_steps", "6", check=False)
     assert p.returncode == 1
     assert "the reward model loss is nan" in p.stderr and "step" in p.stderr and "Traceback" not in p.stderr
+
+
+SKIP_NONFINITE = r"""
+import json, torch
+from common import ds
+dist = ds.setup_distributed()
+x = torch.randn(2, 1, 8)
+
+def engine(stage, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    s = ds.DSSettings(zero_stage=stage, micro_train_batch_size=1, train_batch_size=2)  # 2 accumulation steps
+    return ds.initialize(model, s, dist, dtype, lr=1e-2, total_steps=10, scheduler="linear", warmup_ratio=0.0)
+
+def update(e, fault=None):
+    for i in range(2):
+        # one NaN in one gradient of the first micro-batch, or an infinite loss whose gradients are finite
+        hook = e.module[0].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), float("nan"))) \
+            if fault == "nan_grad" and i == 0 else None
+        loss = e(x[i].to(e.module[0].weight.dtype)).float().pow(2).mean()
+        if fault == "inf_loss" and i == 1:
+            loss = loss + float("inf")
+        e.backward(ds.poison_nonfinite(loss))
+        e.step()
+        if hook:
+            hook.remove()
+    return e.was_step_applied()
+
+for stage, dtype in [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.float32),
+                     (0, torch.bfloat16), (2, torch.bfloat16)]:
+    faulty, clean = engine(stage, dtype), engine(stage, dtype)
+    out = {"stage": stage, "dtype": str(dtype), "applied": [update(faulty)]}
+    before = ds.full_state_dict(faulty)
+    out["applied"] += [update(faulty, "nan_grad"), update(faulty, "inf_loss")]
+    out["unchanged"] = all(torch.equal(v, ds.full_state_dict(faulty)[k]) for k, v in before.items())
+    out["skipped_steps"] = faulty.skipped_steps
+    out["applied"].append(update(faulty))
+    out["changed"] = all(not torch.equal(v, ds.full_state_dict(faulty)[k]) for k, v in before.items())
+    update(clean), update(clean)
+    # bit-identical to a run that never saw the faults: moments and LR schedule untouched too
+    out["as_if_never"] = all(torch.equal(v, ds.full_state_dict(clean)[k]) for k, v in ds.full_state_dict(faulty).items())
+    print(json.dumps(out))
+"""
+
+
+def test_nonfinite_gradients_skip_the_update_under_every_zero_stage(tmp_path):
+    code = tmp_path / "skip.py"
+    code.write_text(SKIP_NONFINITE)
+    p = subprocess.run([PY, str(code)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 6, p.stdout[-2000:]
+    for r in rows:
+        assert r["applied"] == [True, False, False, True], r
+        assert r["unchanged"] and r["changed"] and r["as_if_never"] and r["skipped_steps"] == 2, r
+    assert "OVERFLOW" not in p.stdout + p.stderr  # our metrics count skips; DeepSpeed's line is filtered out
+
+
+def test_skip_nonfinite_updates_counts_them_and_resumes_the_count(tmp_path):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    # 1e30: the first update makes the weights huge, every later loss is NaN and its update skipped
+    flags = ["--learning_rate", "1e30", "--skip_nonfinite_updates", "--max_steps", "4", "--save_steps", "2",
+             "--eval_steps", "-1"]
+    script("train_rm.py", "--save_path", full, *flags)
+    assert [r["train/skipped_updates"] for r in metrics(full)] == [0, 1, 2, 3]
+    script("train_rm.py", "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint",
+           *flags)
+    assert [r["train/skipped_updates"] for r in metrics(resumed)] == [2, 3]  # the count went into the checkpoint
 
 
 class _Silent(BaseHTTPRequestHandler):

@@ -51,12 +51,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
 
 
 @pytest.mark.parametrize("name,flags", [
-    ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples"]),
+    ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
+                       "--skip_nonfinite_updates"]),
     ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
                        "--train_batch_size", "16", "--micro_train_batch_size", "8",
                        "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
-                      "--dual_clip", "3", "--max_epochs", "2"]),
+                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates"]),
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                       "--n_samples_per_prompt", "4"]),
 ])
@@ -67,6 +68,10 @@ def test_variants_run(tmp_path, ray_head, name, flags):
     assert [r["step"] for r in rows] == [1, 2]
     if "--init_kl_coef" in flags:  # no reference model at all
         assert rows[-1]["train/kl"] == 0.0
+    if "--skip_nonfinite_updates" in flags:  # a healthy run skips nothing
+        assert [r["train/skipped_updates"] for r in rows] == [0, 0]
+        if name == "train_ppo.py":
+            assert [r["train/critic_skipped_updates"] for r in rows] == [0, 0]
 
 
 @pytest.fixture(scope="session")
