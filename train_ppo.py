@@ -107,6 +107,7 @@ def main(
     vllm_enable_sleep: o.VllmEnableSleep = False,
     enable_prefix_caching: o.EnablePrefixCaching = False,
     enforce_eager: o.EnforceEager = False,
+    static_kv_cache: o.StaticKVCache = False,
     vllm_sync_bucket_mb: o.VllmSyncBucketMB = 256.0,
     vllm_sync_timeout: o.VllmSyncTimeout = 300.0,
     vllm_sleep_level: o.VllmSleepLevel = 2,
@@ -164,6 +165,10 @@ def check_options(a: dict) -> None:
     require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
     require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
             f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
+    require(not (a["static_kv_cache"] and a["vllm_num_engines"]),
+            "--static_kv_cache is for the policy's own generation; with --vllm_num_engines vLLM generates: drop one")
+    require(not (a["static_kv_cache"] and a["zero_stage"] == 3),
+            "--static_kv_cache needs the whole policy on each rank: use --zero_stage 0, 1 or 2, or drop --static_kv_cache")
     require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
             "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
@@ -269,7 +274,8 @@ def train(a: dict, plan) -> None:
         groups[role] = RoleGroup(role, ModelWorker, roles[role], pgs[roles[role].group])
         return groups[role].async_call("setup", spec)
 
-    pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim, **common_spec))]
+    pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim,
+                                      static_cache=a["static_kv_cache"], **common_spec))]
     if "ref" in roles:
         pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, **common_spec)))
     if "reward" in roles:
@@ -288,7 +294,7 @@ def train(a: dict, plan) -> None:
         vspec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
                            max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
                            enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
-                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"])
+                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu)
         shared = plan.vllm_group == roles["actor"].group
         engines = start_engines(a["vllm_num_engines"], vspec, pgs[plan.vllm_group], 0, plan.vllm_gpu_fraction,
                                 roles["actor"].cpu_fraction if shared else 1.0)
@@ -396,7 +402,8 @@ def train(a: dict, plan) -> None:
             stats["kl_loss"] = kl.item()
         if out["entropy"] is not None:
             entropy = masked_mean(out["entropy"], mask)
-            loss = loss - a["entropy_loss_coef"] * entropy
+            if a["entropy_loss_coef"]:  # else logged only: no backward through a full-vocabulary softmax
+                loss = loss - a["entropy_loss_coef"] * entropy
             stats["entropy"] = entropy.item()
         return loss, stats
 
@@ -408,6 +415,7 @@ def train(a: dict, plan) -> None:
     batches = iterate_batches(len(prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
                               start_step=state["step_in_episode"])
     step = state["step"]
+    skipped = state.get("skipped_updates", {"actor": 0, "critic": 0})  # per role; older checkpoints have none
     preempt, preempted = Preemption(), False
     while step < total_steps:
         episode, step_in_episode, idx = next(batches)
@@ -415,7 +423,6 @@ def train(a: dict, plan) -> None:
         batch_prompts = [prompts[i] for i in idx]
         metrics = {}
 
-    skipped = state.get("skipped_updates", {"actor": 0, "critic": 0})  # per role; older checkpoints have none
         # 1. generate
         t0 = time.perf_counter()
         samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
@@ -517,26 +524,26 @@ def train(a: dict, plan) -> None:
             if "critic" in groups:
                 critic_history += get(critic_refs, 1800, "critic training")[0]
         metrics["time/train_s"] = time.perf_counter() - t0
+        skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
         for k in history[0]:
             metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
         if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
             metrics["train/kl"] = metrics["train/kl_loss"]
+        if a["skip_nonfinite_updates"]:
+            metrics["train/skipped_updates"] = skipped["actor"]
         if critic_history:
             metrics["train/value_loss"] = sum(h["value_loss"] for h in critic_history) / len(critic_history)
             metrics["train/critic_grad_norm"] = sum(h["grad_norm"] for h in critic_history) / len(critic_history)
-        skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
+            skipped["critic"] += int(sum(h["skipped"] for h in critic_history))
+            if a["skip_nonfinite_updates"]:
+                metrics["train/critic_skipped_updates"] = skipped["critic"]
 
         # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
         # vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
         # offloading first made the engines load stale shards), then the training states leave the GPU,
-        if a["skip_nonfinite_updates"]:
-            metrics["train/skipped_updates"] = skipped["actor"]
         # and only then does vLLM's KV cache, the largest piece, wake
         if plan.use_gpu:
             for g in trained:
-            skipped["critic"] += int(sum(h["skipped"] for h in critic_history))
-            if a["skip_nonfinite_updates"]:
-                metrics["train/critic_skipped_updates"] = skipped["critic"]
                 for k, v in g.call("gpu_memory")[0].items():
                     metrics[f"mem/{g.role}_{k}"] = v
         if engines:

@@ -138,7 +138,7 @@ def train(a: dict) -> None:
                 "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
-    for note in (dtype_note, attn_note):
+    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device)):
         if note:
             log.warn_once(note, note)
 

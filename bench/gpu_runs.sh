@@ -4,25 +4,51 @@
 #   bash bench/gpu_runs.sh dpo_rm     # RM and DPO, bf16, ZeRO-2 and ZeRO-3, 0.5B shape
 #   bash bench/gpu_runs.sh grpo       # vLLM sleep/wake check, then GRPO with the hybrid engine, 20 steps
 #   bash bench/gpu_runs.sh ppo        # PPO with the hybrid engine, 20 steps
+#   bash bench/gpu_runs.sh check      # vLLM sampling-option costs; DeepSpeed sleep memory per state (ZeRO-2, 3)
+#   bash bench/gpu_runs.sh x2         # two GPUs: actor (+ reference) on one, vLLM on the other, NCCL sync, 20 steps
+#   bash bench/gpu_runs.sh bench      # bench/grpo_step.py, 0.5B, ours vs TRL, with vLLM colocated
+#   bash bench/gpu_runs.sh train      # bench/train_step.py: the training phase per ZeRO stage, micro-batch, shape
+#   bash bench/gpu_runs.sh bench_hf   # the same without vLLM
+#   bash bench/gpu_runs.sh mfu        # the 1.5B shape, ours only: training-phase MFU
+# Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # Ray workers import common/ from here
 export HF_HUB_OFFLINE=1 HYBRIDRL_CACHE=/tmp/hrl-cache TORCH_EXTENSIONS_DIR=/tmp/torch-ext PYTHONUNBUFFERED=1
+export VLLM_ALLOW_INSECURE_SERIALIZATION=1
 PY=${PY:-python3}
-M=/tmp/q05; RM=/tmp/q05rm
+M=/tmp/q05; RM=/tmp/q05rm; Z=${Z:-3}; SYNC=${SYNC:-auto}
 [ -d $M ] || $PY bench/make_model.py --shape 0.5b --out $M
-[ -d $RM ] || $PY bench/make_model.py --shape 0.5b --out $RM --reward
+[ -d $RM ] || [ "${1:-}" != grpo -a "${1:-}" != ppo ] || $PY bench/make_model.py --shape 0.5b --out $RM --reward
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 run() {  # name, script, flags...: keep the metrics and the log tail
   local name=$1; shift
   local t0=$SECONDS
   timeout "${LIMIT:-400}" $PY "$@" --save_path "/tmp/runs/$name" > "/tmp/runs-$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   mkdir -p "$OUT/$name"
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   tail -c 20000 "/tmp/runs-$name.log" > "$OUT/$name/log.txt"
+  return $rc
 }
+bench() {  # name, grpo_step.py flags...
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "${LIMIT:-500}" $PY bench/grpo_step.py --work_dir /tmp/bench --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  tail -20 "$OUT/$name.txt"
+  for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done
+}
+prompts() {  # the copy task's prompts as a JSONL file (random-weight models: the length reward scores them)
+  $PY -c "import json; from common.tasks import prompt_rows
+with open('/tmp/prompts.jsonl', 'w') as f: [f.write(json.dumps(r) + '\n') for r in prompt_rows(2048, 'train', seed=0)]"
+}
+TASK=(--prompt_data /tmp/prompts.jsonl --input_key prompt --label_key label --apply_chat_template
+      --reward_func bench/length_reward.py)
+GRPO=(--rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 256 --train_batch_size 64
+      --micro_rollout_batch_size 64 --max_steps 20 --eval_steps -1 --actor_learning_rate 1e-6 --bf16)
 
 case "${1:-}" in
 dpo_rm)
@@ -34,16 +60,44 @@ dpo_rm)
   ;;
 grpo)
   [ -n "${SKIP_SLEEP_CHECK:-}" ] || { $PY bench/sleep_check.py --model $M > "$OUT/sleep_check.txt" 2>&1; tail -5 "$OUT/sleep_check.txt"; }
-  run grpo_hybrid train_grpo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage 3 --colocate_all_models \
+  run grpo_hybrid train_grpo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage $Z --colocate_all_models \
     --vllm_num_engines 1 --vllm_gpu_memory_utilization 0.3 --vllm_enable_sleep --deepspeed_enable_sleep \
-    --rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 256 --train_batch_size 64 \
-    --micro_train_batch_size 8 --micro_rollout_batch_size 32 --max_steps 20 --eval_steps -1 --actor_learning_rate 1e-6
+    --vllm_sync_backend $SYNC --rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 256 --train_batch_size 64 \
+    --micro_train_batch_size 16 --micro_rollout_batch_size 64 --max_steps 20 --eval_steps -1 --actor_learning_rate 1e-6
   ;;
 ppo)
-  run ppo_hybrid train_ppo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage 3 --colocate_all_models \
+  run ppo_hybrid train_ppo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage $Z --colocate_all_models \
     --vllm_num_engines 1 --vllm_gpu_memory_utilization 0.3 --vllm_enable_sleep --deepspeed_enable_sleep \
-    --rollout_batch_size 64 --generate_max_len 256 --train_batch_size 64 --micro_train_batch_size 8 \
-    --micro_rollout_batch_size 32 --max_steps 20 --eval_steps -1 --actor_learning_rate 1e-6 --critic_learning_rate 1e-6
+    --vllm_sync_backend $SYNC --rollout_batch_size 64 --generate_max_len 256 --train_batch_size 64 --micro_train_batch_size 16 \
+    --micro_rollout_batch_size 64 --max_steps 20 --eval_steps -1 --actor_learning_rate 1e-6 --critic_learning_rate 1e-6
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ppo" >&2; exit 2 ;;
+check)
+  timeout 200 $PY bench/vllm_gen.py --model $M > "$OUT/vllm_gen.txt" 2>&1; tail -5 "$OUT/vllm_gen.txt"
+  for z in 2 3; do
+    timeout 200 $PY bench/ds_sleep_memory.py --model $M --zero-stage $z --out "$OUT/ds_sleep_z$z.json" > "$OUT/ds_sleep_z$z.txt" 2>&1
+    echo "ds_sleep z$z: exit $?"; tail -c 1500 "$OUT/ds_sleep_z$z.txt"
+  done
+  ;;
+x2)  # needs 2 GPUs: the plan puts actor + reference on GPU 0 and the engine alone on GPU 1
+  prompts
+  run grpo_x2 train_grpo.py --pretrain $M "${TASK[@]}" "${GRPO[@]}" --colocate_actor_ref --vllm_num_engines 1 \
+    --vllm_sync_backend ${SYNC/auto/nccl} --vllm_gpu_memory_utilization 0.5 --micro_train_batch_size 16 --zero_stage 2
+  ;;
+bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
+  bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2}"
+  ;;
+train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5B shapes
+  timeout 200 $PY bench/train_step.py --model $M --stages 0,1,2 --micros 16,64 --out "$OUT/train_0.5b.json" \
+    > "$OUT/train_0.5b.txt" 2>&1; tail -7 "$OUT/train_0.5b.txt"
+  [ -d /tmp/q15 ] || $PY bench/make_model.py --shape 1.5b --out /tmp/q15 > /dev/null 2>&1
+  timeout 200 $PY bench/train_step.py --model /tmp/q15 --stages ${STAGES15:-1,2} --micros 16,32 --out "$OUT/train_1.5b.json" \
+    > "$OUT/train_1.5b.txt" 2>&1; tail -5 "$OUT/train_1.5b.txt"
+  ;;
+bench_hf)
+  bench bench_hf --shape 0.5b --no-vllm --micro_batch 16
+  ;;
+mfu)
+  bench mfu_1.5b --shape 1.5b --vllm --no-trl --micro_batch ${MB:-16} --ours_flags "--vllm_sync_backend $SYNC"
+  ;;
+*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|bench|train|bench_hf|mfu" >&2; exit 2 ;;
 esac

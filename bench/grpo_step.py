@@ -80,6 +80,8 @@ def main(
     trl_threads: Annotated[int, typer.Option(
         "--trl_threads", "--trl-threads", min=0,
         help="TRL's torch/OpenMP threads (default on CPU: 1, as ours gives each CPU worker; 0: torch's default).")] = None,
+    ours_flags: Annotated[str, typer.Option(
+        "--ours_flags", "--ours-flags", help="More flags for train_grpo.py, as one string (e.g. \"--zero_stage 3\").")] = "",
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
     out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
 ):
@@ -92,7 +94,7 @@ def main(
     job = dict(shape=shape, model=model or _model_dir(shape, work_dir), prompts=prompts, samples=samples,
                new_tokens=new_tokens, steps=steps, warmup=warmup, vllm=vllm, gpu=gpu, bf16=gpu and shape != "tiny",
                micro_batch=micro_batch or batch, gradient_checkpointing=gradient_checkpointing, seed=42,
-               trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads)
+               trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split())
     if shape != "tiny":
         job["prompt_file"] = _prompt_file(work_dir)
         job["reward_file"] = os.path.join(ROOT, "bench", "length_reward.py")
@@ -256,6 +258,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
             cmd += ["--colocate_all_models", "--vllm_gpu_memory_utilization", "0.3"]
     elif job["gpu"]:
         cmd += ["--colocate_actor_ref"]
+    cmd += job["ours_flags"]
     name = "ours (vLLM)" if job["vllm"] else "ours (HF generate)"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     log = save_path + ".log"

@@ -117,6 +117,15 @@ def grad_accumulation(s: DSSettings, world_size: int) -> int:
     return s.train_batch_size // per_step
 
 
+def zero_note(stage: int, world_size: int, device: torch.device) -> str | None:
+    """A banner warning for ZeRO-3 on a single GPU, where it costs time and saves nothing."""
+    if stage == 3 and world_size == 1 and device.type == "cuda":
+        return ("--zero_stage 3 on one GPU: nothing to shard, yet every layer's weights are gathered again on each "
+                "forward and backward (3x slower than ZeRO-2 on an H200, docs/gpu-figures.md); prefer --zero_stage 2 "
+                "unless the model only fits with 3")
+    return None
+
+
 def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
     if s.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero_stage {s.zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
@@ -216,15 +225,6 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
     return engine
 
 
-def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):
-    """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device."""
-    model.eval().requires_grad_(False)
-    if s.zero_stage != 3:
-        return model.to(device=device, dtype=dtype)
-    import deepspeed
-
-    engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype))
-    engine.eval()
 def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
     """The loss to backpropagate so that a non-finite loss skips the update it belongs to.
 
@@ -235,6 +235,15 @@ def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
     return loss if torch.isfinite(loss) else loss * float("nan")
 
 
+def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):
+    """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device."""
+    model.eval().requires_grad_(False)
+    if s.zero_stage != 3:
+        return model.to(device=device, dtype=dtype)
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype))
+    engine.eval()
     return engine
 
 

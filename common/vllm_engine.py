@@ -27,6 +27,10 @@ class EngineSpec:
     enable_sleep: bool = False
     seed: int = 0
     max_num_seqs: int = 256
+    # One seed per request makes a CPU run repeatable sample for sample. On GPU, batch-dependent
+    # kernels make samples unrepeatable anyway, and per-request generators cost 15% of the decode
+    # there (bench/vllm_gen.py): the engine's own seeded stream is used instead.
+    per_request_seeds: bool = True
 
 
 class VllmEngine:
@@ -65,7 +69,8 @@ class VllmEngine:
         # One seed per request: the same seed on every request would give every prompt the same noise.
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else sampling["temperature"],
                                  top_p=sampling["top_p"], max_tokens=sampling["max_new_tokens"], logprobs=0,
-                                 detokenize=False, seed=None if greedy else seed + i) for i in range(len(prompt_ids))]
+                                 detokenize=False, seed=seed + i if self.spec.per_request_seeds and not greedy else None)
+                  for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         s = Samples([], [], [], [], [])
         for i, out in enumerate(outs):

@@ -102,7 +102,7 @@ def join_group(backend: str, addr: str, port: int, rank: int, world: int, timeou
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    opts._timeout = timeout  # a broadcast to an engine that never joins fails instead of hanging
     return dist.ProcessGroupNCCL(store, rank, world, opts)
 
 

@@ -28,6 +28,7 @@ class ModelSpec:
     seed: int = 42
     temperature: float = 1.0     # log-probs are taken of logits / temperature, as sampled
     packing: bool = False
+    static_cache: bool = False   # generate with transformers' static (compiled on GPU) KV cache
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
 
 
@@ -55,7 +56,8 @@ class ModelWorker(BaseWorker):
             self.model = ds.initialize(model, settings, self.dist, self.dtype, **spec.optim)
         else:
             self.model = ds.initialize_eval(model, settings, self.dtype, self.dist.device)
-        return {"notes": [n for n in (dtype_note, attn_note) if n], "device": str(self.dist.device),
+        zero = ds.zero_note(settings.zero_stage, self.dist.world_size, self.dist.device) if spec.trainable else None
+        return {"notes": [n for n in (dtype_note, attn_note, zero) if n], "device": str(self.dist.device),
                 "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())}
 
     # ---------------------------------------------------------------- forward passes
@@ -137,7 +139,7 @@ class ModelWorker(BaseWorker):
         module = getattr(self.model, "module", self.model)
         synced = self.spec.ds.zero_stage == 3 and self.dist.world_size > 1  # all ranks step together under ZeRO-3
         return hf_generate(module, prompt_ids, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-                           synced_gpus=synced, **sampling)
+                           synced_gpus=synced, static_cache=self.spec.static_cache, **sampling)
 
     # ---------------------------------------------------------------- training
     def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False,
@@ -146,15 +148,15 @@ class ModelWorker(BaseWorker):
 
         loss_fn(out, micro) -> (loss, stats): `out` is {"logprobs": [b, t-1], "entropy": ...} for a
         causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors.
-        """
-        self.model.train()
         A non-finite loss or gradient raises FloatingPointError naming the role and `step` (the
         driver's step number); with `skip_nonfinite` that update is skipped instead (the weights stay
         as they were) and its stats say "skipped": 1.
-        N = batch["input_ids"].shape[0]
+        """
         from common.ds import poison_nonfinite
 
         at = f"step {step}, " if step is not None else ""
+        self.model.train()
+        N = batch["input_ids"].shape[0]
         bounds = [round(s * N / steps) for s in range(steps + 1)]
         # Filtering can leave fewer samples than the configured batch: close each optimizer step
         # ourselves and weight the micro-batches so the step still averages over what it got.
@@ -183,17 +185,17 @@ class ModelWorker(BaseWorker):
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
-            n_micro = len(micros)
-            stats = {k: v / n_micro for k, v in acc.items()}
             skipped = not self.model.was_step_applied()  # DeepSpeed skips an update with non-finite gradients
             if skipped and not skip_nonfinite:
                 raise FloatingPointError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is finite but "
                                          "its gradients are not; the update was skipped, so the weights are unchanged. "
                                          "Lower the learning rate or check the rewards, or pass "
                                          "--skip_nonfinite_updates to continue past such steps")
+            n_micro = len(micros)
+            stats = {k: v / n_micro for k, v in acc.items()}
+            stats["skipped"] = float(skipped)
             norm = self.model.get_global_grad_norm()
             stats["grad_norm"] = float(norm) if norm is not None else float("nan")
-            stats["skipped"] = float(skipped)
             stats["lr"] = self.model.get_lr()[0]
             stats["step_s"] = time.perf_counter() - t0
             history.append(stats)

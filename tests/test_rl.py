@@ -212,6 +212,9 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
     (["--reward_func", "a.py", "--remote_rm_url", "http://127.0.0.1:1"], "one source"),
     (["--colocate_all_models", "--vllm_num_engines", "4", "--dry_run"], "must equal"),  # more engines than GPUs
     (["--pretrain", "./no/such/model"], "no such folder"),
+    (["--static_kv_cache", "--zero_stage", "3"], "use --zero_stage 0, 1 or 2, or drop --static_kv_cache"),
+    (["--static_kv_cache", "--vllm_num_engines", "1"], "--static_kv_cache is for the policy's own generation"),
+    (["--vllm_num_engines", "1", "--vllm_sync_backend", "nccl"], "--vllm_sync_backend nccl needs GPUs"),
 ])
 def test_flag_contradictions(tmp_path, flags, expect):
     p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)

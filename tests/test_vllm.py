@@ -209,18 +209,22 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
     assert "eval/reward_mean" in rows[4] and "eval/reward_mean" in rows[9]
 
 
-@pytest.mark.parametrize("name,flags", [
-    ("train_grpo.py", ["--rollout_batch_size", "8"]),
-    ("train_ppo.py", ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]),
+PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]
+
+
+@pytest.mark.parametrize("name,engines,flags", [
+    ("train_grpo.py", 1, ["--rollout_batch_size", "8"]),
+    ("train_ppo.py", 1, PPO_SMALL),
+    ("train_ppo.py", 2, PPO_SMALL + ["--vllm_sync_backend", "ray"]),  # the other CPU transport, end to end
 ])
-def test_one_engine(tmp_path, ray_head, name, flags):
+def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     out = str(tmp_path / "run")
     t0 = time.perf_counter()
     # --enforce_eager: vLLM's torch.compile adds ~20 s to each engine start on this CPU.
-    script(name, "--save_path", out, "--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "3",
+    script(name, "--save_path", out, "--vllm_num_engines", str(engines), "--enforce_eager", "--max_steps", "3",
            "--eval_steps", "-1", *flags)
     worst = _check_engine_metrics(metrics(out), 3)
-    print(f"{name} 1 engine: {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
+    print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
 
 
 @pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
