@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (README, Quick start):
 #   make demo   -> installs into .venv, then trains the built-in default (GRPO on the built-in task)
 #   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
+#   make bench  -> one GRPO step of ours against TRL's GRPOTrainer on the same work, as a table
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test clean
+.PHONY: install demo test bench clean
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +29,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest tests -x -q --durations=15
+
+# TRL is the `bench` extra only, never a runtime dependency; --no-deps keeps our pinned stack as is.
+bench: install
+	$(BIN)/pip install -q --no-deps "trl==1.16.0"
+	$(BIN)/python bench/grpo_step.py --shape tiny --vllm
 
 clean:
 	rm -rf $(VENV)

@@ -382,10 +382,17 @@ def train(a: dict, plan) -> None:
     def actor_loss(out, micro):
         mask = micro["action_mask"]
         old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
+        is_weights, stats = micro.get("is_weights"), {}
+        if "gen_logprobs" in micro:  # the engine's log-probs meet this very forward's (see phase 3)
+            gap = out["logprobs"].detach() - micro["gen_logprobs"]
+            stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item()}
+            if a["enable_vllm_is_correction"]:
+                is_weights = gap.exp().clamp(max=a["vllm_is_truncated_threshold"]) * mask
+                stats["is_weight_mean"] = masked_mean(is_weights, mask).item()
         loss, clip_frac, approx_kl = policy_loss(out["logprobs"], old, micro["advantages"], mask,
                                                  eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
-                                                 is_weights=micro.get("is_weights"))
-        stats = {"policy_loss": loss.item(), "clip_frac": clip_frac.item(), "approx_kl": approx_kl.item()}
+                                                 is_weights=is_weights)
+        stats.update(policy_loss=loss.item(), clip_frac=clip_frac.item(), approx_kl=approx_kl.item())
         if kl_in_loss:
             kl = masked_mean(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask)
             loss = loss + a["init_kl_coef"] * kl
@@ -443,12 +450,14 @@ def train(a: dict, plan) -> None:
         metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
 
-        # 3. old and reference log-probs. With one optimizer step per rollout and no engine, the policy
-        # that sampled is the one about to be trained: its log-probs come free from the training forward
-        # (unless the KL enters the reward, which needs them before the update).
+        # 3. old and reference log-probs. With one optimizer step per rollout, the policy about to be
+        # trained holds the weights that sampled (the policy itself, or engines synced after the last
+        # step): its log-probs come free from the training forward (unless the KL enters the reward,
+        # which needs them before the update). The engines' log-probs are then checked, and the IS
+        # weights taken, in that forward too (actor_loss).
         t0 = time.perf_counter()
         steps_per_pass = max(1, len(samples) // a["train_batch_size"])
-        fresh = not engines and a["max_epochs"] == 1 and steps_per_pass == 1 and (a["init_kl_coef"] == 0 or kl_in_loss)
+        fresh = a["max_epochs"] == 1 and steps_per_pass == 1 and (a["init_kl_coef"] == 0 or kl_in_loss)
         if not fresh:
             batch["old_logprobs"] = per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
         if "ref" in groups:
@@ -458,15 +467,13 @@ def train(a: dict, plan) -> None:
         else:
             kl = torch.zeros_like(mask)
         metrics["train/kl"] = masked_mean(kl, mask).item()
-        if "gen_logprobs" in batch:  # does the engine sample from the policy the trainer holds?
+        if "gen_logprobs" in batch and not fresh:  # does the engine sample from the policy the trainer holds?
             gap = batch["old_logprobs"] - batch["gen_logprobs"]
             metrics["rollout/logprob_diff"] = masked_mean(gap.abs(), mask).item()
             metrics["rollout/prob_ratio"] = masked_mean(gap.exp(), mask).item()
-            if metrics["rollout/logprob_diff"] > a["logprob_diff_warn"]:
-                log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
-                              f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")
             if a["enable_vllm_is_correction"]:
                 batch["is_weights"] = gap.exp().clamp(max=a["vllm_is_truncated_threshold"]) * mask
+                metrics["rollout/is_weight_mean"] = masked_mean(batch["is_weights"], mask).item()
             del batch["gen_logprobs"]
         metrics["time/logprobs_s"] = time.perf_counter() - t0
 
@@ -501,6 +508,12 @@ def train(a: dict, plan) -> None:
             metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
         if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
             metrics["train/kl"] = metrics["train/kl_loss"]
+        for k in ("logprob_diff", "prob_ratio", "is_weight_mean"):  # measured in the training forward (rank 0's share)
+            if f"train/{k}" in metrics:
+                metrics[f"rollout/{k}"] = metrics.pop(f"train/{k}")
+        if metrics.get("rollout/logprob_diff", 0.0) > a["logprob_diff_warn"]:
+            log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
+                          f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")
         if a["skip_nonfinite_updates"]:
             metrics["train/skipped_updates"] = skipped["actor"]
 

@@ -185,12 +185,18 @@ def test_sync_timeout_names_the_engine(rig):
 
 
 # ---------------------------------------------------------------- the scripts with engines
-def _check_engine_metrics(rows: list[dict], steps: int) -> float:
+def _check_engine_metrics(rows: list[dict], steps: int, is_correction: bool = False) -> float:
+    """Every step compared the trainer's log-probs with the engine's (in a separate forward, or in
+    the training forward when one optimizer step trains the whole rollout) and synced."""
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     diffs = [r["rollout/logprob_diff"] for r in rows]  # KeyError = a step without the comparison
     assert max(diffs) < MEAN_LOGPROB_TOL, diffs
     assert all(0 < r["time/weight_sync_s"] < 30 for r in rows), [r["time/weight_sync_s"] for r in rows]
     assert all(abs(r["rollout/prob_ratio"] - 1) < 1e-3 for r in rows)
+    if is_correction:  # truncated IS weights exp(trainer - engine): 1 when both hold the same weights
+        assert all(abs(r["rollout/is_weight_mean"] - 1) < 1e-3 for r in rows), rows
+    else:
+        assert not any("rollout/is_weight_mean" in r for r in rows)
     return max(diffs)
 
 
@@ -199,9 +205,11 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
     default batch, the default compiled engine rather than --enforce_eager)."""
     out = str(tmp_path / "run")
     t0 = time.perf_counter()
-    script("train_grpo.py", "--save_path", out, "--vllm_num_engines", "2", "--max_steps", "10", "--eval_steps", "5")
+    # two optimizer steps per rollout: the old log-probs and the IS weights come from a separate forward
+    script("train_grpo.py", "--save_path", out, "--vllm_num_engines", "2", "--max_steps", "10", "--eval_steps", "5",
+           "--enable_vllm_is_correction")
     rows = metrics(out)
-    worst = _check_engine_metrics(rows, 10)
+    worst = _check_engine_metrics(rows, 10, is_correction=True)
     rewards = [r["rollout/reward_mean"] for r in rows]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     print(f"GRPO 2 engines: {time.perf_counter() - t0:.0f} s, reward {first:.2f} -> {last:.2f}, max logprob_diff {worst:.1e}")
@@ -215,7 +223,8 @@ PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_
 @pytest.mark.parametrize("name,engines,flags", [
     ("train_grpo.py", 1, ["--rollout_batch_size", "8"]),
     ("train_ppo.py", 1, PPO_SMALL),
-    ("train_ppo.py", 2, PPO_SMALL + ["--vllm_sync_backend", "ray"]),  # the other CPU transport, end to end
+    # the other CPU transport end to end; IS weights taken in the training forward (one step per rollout)
+    ("train_ppo.py", 2, PPO_SMALL + ["--vllm_sync_backend", "ray", "--enable_vllm_is_correction"]),
 ])
 def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     out = str(tmp_path / "run")
@@ -223,7 +232,7 @@ def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     # --enforce_eager: vLLM's torch.compile adds ~20 s to each engine start on this CPU.
     script(name, "--save_path", out, "--vllm_num_engines", str(engines), "--enforce_eager", "--max_steps", "3",
            "--eval_steps", "-1", *flags)
-    worst = _check_engine_metrics(metrics(out), 3)
+    worst = _check_engine_metrics(metrics(out), 3, "--enable_vllm_is_correction" in flags)
     print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
 
 
