@@ -455,7 +455,7 @@ def train(a: dict, plan) -> None:
         if not keep_groups:
             log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
             step += 1
-            log.log(step, metrics | {"train/skipped_update": 1.0})
+            log.log(step, metrics | {"rollout/no_groups_left": 1.0})
             continue
         keep = [g * n + j for g in keep_groups for j in range(n)]
         samples, scores = samples.select(keep), scores[keep]
