@@ -257,6 +257,9 @@ def train(a: dict, plan) -> None:
     transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
                                  colocated=plan.vllm_group == roles["actor"].group) if a["vllm_num_engines"] else None
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
+    # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
+    # time-limit warning) while the models load still ends in a checkpoint after the first step.
+    preempt = Preemption()
     check_fits(plan, resources)
     pgs = create_placement_groups(plan)
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
@@ -423,7 +426,7 @@ def train(a: dict, plan) -> None:
                               start_step=state["step_in_episode"])
     step = state["step"]
     skipped = state.get("skipped_updates", {"actor": 0, "critic": 0})  # per role; older checkpoints have none
-    preempt, preempted = Preemption(), False
+    preempted = False
     while step < total_steps:
         episode, step_in_episode, idx = next(batches)
         t_step = time.perf_counter()

@@ -8,11 +8,17 @@
 #   PYTHON=.venv/bin/python SAVE_PATH=/tmp/dbg sbatch slurm/debug_tiny.sh
 #
 # Requeued (`scontrol requeue <job>`), it resumes from the newest checkpoint in $SAVE_PATH.
+# Time limit: 2 min before it, Slurm sends USR1 to this shell alone (--signal=B:USR1@120, a step and
+# a save take seconds here); the driver checkpoints at its current step and the job requeues itself
+# to resume there. Try it on a running job with `scancel --batch --signal=USR1 <job>`. scancel and
+# preemption send SIGTERM to every process, Ray's too, so the run just stops; requeued, it resumes
+# from the last --save_steps checkpoint (docs/reliability.md).
 #SBATCH --job-name=debug-tiny
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=2
 #SBATCH --time=00:30:00
+#SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
@@ -37,4 +43,5 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then  # the resource plan only: no Ray, nothing tra
   exec "$PYTHON" train_grpo.py "${ARGS[@]}" --dry_run "$@"
 fi
 ray_cluster_start
-"$PYTHON" train_grpo.py "${ARGS[@]}" "$@"
+# The driver; near the time limit (USR1) it checkpoints and the job requeues itself.
+ray_cluster_run "$PYTHON" train_grpo.py "${ARGS[@]}" "$@"

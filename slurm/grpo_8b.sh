@@ -10,6 +10,13 @@
 # One node needs no Ray cluster of its own, but starting it through slurm/ray_cluster.sh keeps the
 # job identical to the multi-node ones (and `--nodes=2` with doubled *_num_nodes just works).
 # Requeued, it resumes from the newest checkpoint.
+#
+# Time limit: 15 min before it, Slurm sends USR1 to this shell alone (--signal=B:USR1@900: the rest
+# of a step plus the save of the actor's ZeRO-3 states, ~110 GB; raise it if time/step_s and the
+# save take longer on your cluster). The driver then checkpoints at its current step and the job
+# requeues itself to resume there. scancel and preemption send SIGTERM to every process, Ray's too,
+# so the run just stops; requeued, it resumes from the last --save_steps checkpoint
+# (docs/reliability.md).
 #SBATCH --job-name=grpo-8b
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -17,6 +24,7 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@900
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
@@ -51,4 +59,5 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then  # the resource plan only: no Ray, no GPUs, no
   exec "$PYTHON" train_grpo.py "${ARGS[@]}" --dry_run "$@"
 fi
 ray_cluster_start
-"$PYTHON" train_grpo.py "${ARGS[@]}" "$@"
+# The driver; near the time limit (USR1) it checkpoints and the job requeues itself.
+ray_cluster_run "$PYTHON" train_grpo.py "${ARGS[@]}" "$@"

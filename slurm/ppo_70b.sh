@@ -15,6 +15,13 @@
 # Ray runs across the allocation (slurm/ray_cluster.sh); each role's placement group packs whole
 # nodes (16 one-GPU bundles fill 2 nodes of 8). Requeued (node failure, preemption,
 # `scontrol requeue`), the job starts a new Ray cluster and resumes from the newest checkpoint.
+#
+# Time limit: an hour before it, Slurm sends USR1 to this shell alone (--signal=B:USR1@3600: the
+# rest of a step of 1024 rollouts plus the ~2 TB actor + critic save; lower it once time/step_s and
+# the save time on your cluster are known). The driver then checkpoints at its current step and the
+# job requeues itself to resume there. scancel and preemption send SIGTERM to every process, Ray's
+# too, so the run just stops; requeued, it resumes from the last --save_steps checkpoint
+# (docs/reliability.md).
 #SBATCH --job-name=ppo-70b
 #SBATCH --nodes=6
 #SBATCH --ntasks-per-node=1
@@ -22,6 +29,7 @@
 #SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time=48:00:00
+#SBATCH --signal=B:USR1@3600
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
@@ -57,4 +65,5 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then  # the resource plan only: no Ray, no GPUs, no
   exec "$PYTHON" train_ppo.py "${ARGS[@]}" --dry_run "$@"
 fi
 ray_cluster_start
-"$PYTHON" train_ppo.py "${ARGS[@]}" "$@"
+# The driver; near the time limit (USR1) it checkpoints and the job requeues itself.
+ray_cluster_run "$PYTHON" train_ppo.py "${ARGS[@]}" "$@"

@@ -4,11 +4,19 @@
 #   source slurm/env.sh; source slurm/ray_cluster.sh
 #   ray_cluster_start           # head here (the job's first node), a worker on every other node,
 #                               # returns once the cluster shows all nodes and GPUs; exports RAY_ADDRESS
-#   "$PYTHON" train_ppo.py ...  # the driver connects through RAY_ADDRESS
+#   ray_cluster_run "$PYTHON" train_ppo.py ...   # the driver, which connects through RAY_ADDRESS
 #
 # Ray is stopped when the calling script exits, fails, or is cancelled or requeued (EXIT trap; the
-# helper takes over the caller's EXIT, TERM and INT traps). Only the processes this helper started
-# are stopped, never other Ray clusters on the node (no `ray stop`).
+# helper takes over the caller's EXIT, TERM, INT and USR1 traps). Only the processes this helper
+# started are stopped, never other Ray clusters on the node (no `ray stop`).
+#
+# Time limit: with sbatch's `--signal=B:USR1@<seconds>`, Slurm sends USR1 to this shell alone that
+# long before the limit. ray_cluster_run then sends SIGTERM to the driver alone, so Ray's processes
+# live on while the driver finishes its step and checkpoints every role; once the driver has exited
+# 0, Ray is stopped and the job requeues itself (`scontrol requeue`), to resume from that checkpoint.
+# scancel and preemption are different: Slurm sends SIGTERM to every process of the job, Ray's too,
+# so the driver cannot save; this shell exits (TERM trap) and a requeued job resumes from the last
+# periodic checkpoint.
 #
 # Settings (environment, all optional):
 #   PYTHON              interpreter with ray installed (default: python). `ray` runs as
@@ -35,6 +43,8 @@
 
 _RAY_CLUSTER_SH=$(realpath "${BASH_SOURCE[0]}")
 _RAY_PIDS=()
+_RAY_DRIVER_PID=  # the driver started by ray_cluster_run, while it runs
+_RAY_TIME_UP=0    # 1 once the time-limit warning (USR1) has come
 # Ray's agents (Python processes) that start slowly, e.g. cold imports from a shared file system,
 # get 2 min instead of 30 s to register with their raylet before it gives up on the node.
 export RAY_agent_register_timeout_ms=${RAY_agent_register_timeout_ms:-120000}
@@ -85,8 +95,13 @@ _ray_alive() {
   return 1
 }
 
+# Stop the Ray processes started here. As the EXIT trap it reads the exit status from $?
+# (logs are kept after a failure); ray_cluster_run passes 0 after a clean stop at the time limit.
 ray_cluster_stop() {
-  local rc=$? pid deadline i temp_dir
+  local rc=${1:-$?} pid deadline i temp_dir
+  # A driver still running here means this shell itself was stopped (TERM, INT); the driver must not
+  # outlive its Ray. (Under scancel it already has Slurm's SIGTERM; a second one changes nothing.)
+  if [[ -n $_RAY_DRIVER_PID ]]; then kill -TERM "$_RAY_DRIVER_PID" 2>/dev/null || true; fi
   [[ ${#_RAY_PIDS[@]} -gt 0 ]] || return 0
   echo "ray_cluster: stopping Ray (pids ${_RAY_PIDS[*]})"
   # Workers first (their srun passes the TERM on to `ray start --block`, which stops its node's
@@ -127,6 +142,9 @@ ray_cluster_start() {
   # bash runs the EXIT trap on `exit`, not when killed: turn scancel/requeue's TERM into an exit.
   trap 'exit 143' TERM
   trap 'exit 130' INT
+  # The time-limit warning: trapped from here on, since USR1's default action would end this shell
+  # (and skip the EXIT trap) if it came while Ray is still starting.
+  trap _ray_time_up USR1
 
   local temp_dir
   temp_dir=$(_ray_temp_dir)
@@ -197,6 +215,40 @@ while True:
                  f"RAY_GPUS_PER_NODE is wrong")
     time.sleep(3)
 EOF
+}
+
+# USR1, Slurm's warning before the time limit (sbatch --signal=B:USR1@<seconds>), sent to this
+# shell alone: Ray's processes keep running, so the driver, alone asked to stop with SIGTERM, can
+# finish its step and save every role's checkpoint.
+_ray_time_up() {
+  _RAY_TIME_UP=1
+  echo "time limit near: asking the driver to checkpoint"
+  if [[ -n $_RAY_DRIVER_PID ]]; then kill -TERM "$_RAY_DRIVER_PID" 2>/dev/null || true; fi
+}
+
+# Run the driver (the command given) and return its exit status. When the time-limit warning came
+# and the driver then exited 0 (it saved a checkpoint and stopped), stop Ray and requeue the job:
+# the next run's --load_checkpoint resumes from that checkpoint. Without Slurm it just returns 0.
+ray_cluster_run() {
+  local rc
+  # In the background: bash runs a trap only once a foreground command has ended, which would hold
+  # the warning until the driver finished on its own, and then the time limit would be past.
+  "$@" &
+  _RAY_DRIVER_PID=$!
+  # A warning that came while Ray was starting.
+  if ((_RAY_TIME_UP)); then kill -TERM "$_RAY_DRIVER_PID" 2>/dev/null || true; fi
+  # `wait` also returns (status 138) when the trapped USR1 arrives: wait again while the driver
+  # lives, then once more for its exit status, which bash keeps after the driver has gone.
+  while kill -0 "$_RAY_DRIVER_PID" 2>/dev/null; do wait "$_RAY_DRIVER_PID" || true; done
+  wait "$_RAY_DRIVER_PID" && rc=0 || rc=$?
+  _RAY_DRIVER_PID=
+  if ((rc == 0 && _RAY_TIME_UP)) && [[ -n ${SLURM_JOB_ID:-} ]]; then
+    # Ray first: the requeue ends this job's processes (SIGTERM), which would cut its stop short.
+    ray_cluster_stop 0
+    echo "time limit near: requeueing job $SLURM_JOB_ID to resume from the checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$rc"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

@@ -1,7 +1,8 @@
 """The Slurm templates on a real one-node Slurm: a private munged, slurmctld and slurmd started for
 this module (installed with apt-get when missing), jobs submitted with sbatch that train the tiny
-model through the Ray helper and through srun, a requeued job that resumes from its checkpoint,
-and static checks of every template (bash -n, shellcheck, the 70B plan's GPU total).
+model through the Ray helper and through srun, a requeued job that resumes from its checkpoint, a
+Ray job that checkpoints and requeues itself on the time-limit warning, and static checks of every
+template (bash -n, shellcheck, the 70B plan's GPU total).
 
 Only one machine exists, so "several nodes" are several tasks on it (srun) and, for Ray, the
 helper's RAY_NODES listing the node twice (a head and a worker on the same host).
@@ -284,6 +285,20 @@ def _assert_model_written(save_path) -> None:
         assert json.load(f).get("model_type")
 
 
+def _start_requeued_now(slurm, job: str) -> None:
+    """Wait until `job` is pending again after its requeue, then let it start at once instead of
+    after Slurm's ~2 min hold (BeginTime)."""
+    def pending():
+        st = slurm.job(job)["JobState"]
+        assert st not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), f"{st}\n{slurm.job_output(job)}"
+        return st == "PENDING"
+    _wait(f"job {job} to be requeued", pending, timeout=180, every=0.5)
+    # slurmd refuses ("Job credential revoked") a launch credential made in the same whole second
+    # as the requeue revoked the old one (`cred->ctime <= revoked`): release it in the next second.
+    time.sleep(1.05 - time.time() % 1)
+    _sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+
+
 def test_debug_tiny_trains_grpo_through_a_two_node_ray_cluster(slurm, tmp_path):
     save = tmp_path / "grpo"
     # The node twice: a Ray head and a Ray worker started through srun, as on two machines.
@@ -340,10 +355,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     assert slurm.job(job)["JobState"] == "RUNNING", slurm.job_output(job)
     p = _sh(["scontrol", "requeue", job], env=slurm.env)
     assert p.returncode == 0, p.stderr
-    # A requeued job waits ~2 min (BeginTime) before it may start again; let it start now.
-    _wait("the requeued job to be pending", lambda: slurm.job(job)["JobState"] == "PENDING", timeout=120,
-          every=0.5)
-    _sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    _start_requeued_now(slurm, job)
     state, out = slurm.finish(job), slurm.job_output(job)
     assert state == "COMPLETED", f"{state}\n{out}\n{slurm.logs()}"
     assert slurm.job(job)["Restarts"] == "1"
@@ -359,3 +371,27 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     assert 2 <= int(stopped.group(1)) < total
     assert _steps(save) == list(range(1, total + 1))
     _assert_model_written(save)
+
+
+def test_time_limit_warning_checkpoints_the_ray_job_and_requeues_it(slurm, tmp_path):
+    save, total = tmp_path / "grpo", 12  # steps of ~0.5 s: room for the signal to land before the last
+    # --save_steps 100: no periodic checkpoint, so the only one is the one the warning asks for.
+    job = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "slurm/debug_tiny.sh", "--save_path", str(save),
+                       "--max_steps", str(total), "--save_steps", "100", env_extra=_job_env(tmp_path))
+    log = save / "metrics.jsonl"
+    _wait("two logged steps", lambda: log.exists() and log.read_text().count("\n") >= 2, timeout=300, every=0.3)
+    # What `#SBATCH --signal=B:USR1@120` sends 2 min before the time limit: USR1 to the batch shell alone.
+    _sh(["scancel", "--batch", "--signal=USR1", job], env=slurm.env, check=True)
+    _start_requeued_now(slurm, job)  # the job requeues itself
+    state, out = slurm.finish(job), slurm.job_output(job)
+    assert state == "COMPLETED" and slurm.job(job)["Restarts"] == "1", f"{state}\n{out}\n{slurm.logs()}"
+    assert "time limit near: asking the driver to checkpoint" in out, out
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", out)
+    assert stopped and 2 <= int(stopped.group(1)) < total, out
+    ckpt = save / "checkpoints" / "actor" / f"step{int(stopped.group(1)):08d}"
+    assert ckpt.is_dir(), out
+    assert re.findall(r"resumed from: (\S+)", out) == ["-", str(ckpt)], out
+    assert _steps(save) == list(range(1, total + 1))  # each step once: none redone, none lost
+    # Both runs stopped their Ray cleanly (temp folders removed) and left no process behind.
+    assert not glob.glob(f"/tmp/ray-{job}-*"), out
+    assert not _sh(["pgrep", "-f", f"/tmp/ray-{job}-"]).stdout.split(), f"Ray processes of job {job} still running"
