@@ -604,6 +604,7 @@ def train(a: dict, plan) -> None:
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
+            preempt.mark_stopped()
             break
 
     if not preempted:

@@ -231,6 +231,7 @@ def train(a: dict) -> None:
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
+            preempt.mark_stopped()
             log.close()
             return
 

@@ -134,6 +134,15 @@ class Preemption:
     def _handle(self, signum, frame):
         self._asked = True
 
+    def mark_stopped(self) -> None:
+        """Say that the run stopped early for the signal. Both a stop and a finished run exit 0, so a
+        launcher that must tell them apart (slurm/ray_cluster.sh requeues only a stopped job) names
+        a file in HYBRIDRL_STOPPED_FILE, which this creates."""
+        path = os.environ.get("HYBRIDRL_STOPPED_FILE")
+        if path:
+            with open(path, "w") as f:
+                f.write("stopped\n")
+
     def requested(self) -> bool:
         """The same answer on every rank (one rank may have seen the signal a step earlier)."""
         flag = torch.tensor([float(self._asked)])

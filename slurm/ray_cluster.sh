@@ -230,7 +230,11 @@ _ray_time_up() {
 # and the driver then exited 0 (it saved a checkpoint and stopped), stop Ray and requeue the job:
 # the next run's --load_checkpoint resumes from that checkpoint. Without Slurm it just returns 0.
 ray_cluster_run() {
-  local rc
+  local rc stopped
+  # A stop for the warning and a finished run both exit 0: the driver creates this file only when it
+  # stopped early (common/checkpoint.py), so a run that ended on its own is not requeued to repeat steps.
+  stopped=$(mktemp -u "${TMPDIR:-/tmp}/hybridrl-stopped.XXXXXX")
+  export HYBRIDRL_STOPPED_FILE=$stopped
   # In the background: bash runs a trap only once a foreground command has ended, which would hold
   # the warning until the driver finished on its own, and then the time limit would be past.
   "$@" &
@@ -242,12 +246,16 @@ ray_cluster_run() {
   while kill -0 "$_RAY_DRIVER_PID" 2>/dev/null; do wait "$_RAY_DRIVER_PID" || true; done
   wait "$_RAY_DRIVER_PID" && rc=0 || rc=$?
   _RAY_DRIVER_PID=
-  if ((rc == 0 && _RAY_TIME_UP)) && [[ -n ${SLURM_JOB_ID:-} ]]; then
+  if ((rc == 0 && _RAY_TIME_UP)) && [[ -n ${SLURM_JOB_ID:-} && -e $stopped ]]; then
+    rm -f "$stopped"
     # Ray first: the requeue ends this job's processes (SIGTERM), which would cut its stop short.
     ray_cluster_stop 0
     echo "time limit near: requeueing job $SLURM_JOB_ID to resume from the checkpoint"
     scontrol requeue "$SLURM_JOB_ID"
+  elif ((rc == 0 && _RAY_TIME_UP)); then
+    echo "time limit near, but the run had already finished: not requeued"
   fi
+  rm -f "$stopped"
   return "$rc"
 }
 

@@ -213,3 +213,29 @@ def test_a_killed_worker_ends_the_run_naming_it(tmp_path, ray_head):
     assert ("actor" in err or "ref" in err) and ("died" in err or "dead" in err or "kill" in err.lower()), err[-2000:]
     assert "Traceback" not in err
     assert time.time() - t0 < 120
+
+
+def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypatch):
+    """A stop for SIGTERM and a finished run both exit 0; slurm/ray_cluster.sh tells them apart by
+    the file it names in HYBRIDRL_STOPPED_FILE, which only a stopped run creates."""
+    import signal as sig
+
+    from common.checkpoint import Preemption
+
+    marker = tmp_path / "stopped"
+    monkeypatch.setenv("HYBRIDRL_STOPPED_FILE", str(marker))
+    old = sig.getsignal(sig.SIGTERM)
+    try:
+        p = Preemption()
+        assert not p.requested() and not marker.exists()
+        os.kill(os.getpid(), sig.SIGTERM)
+        time.sleep(0.1)
+        assert p.requested()
+        p.mark_stopped()
+        assert marker.read_text() == "stopped\n"
+        monkeypatch.delenv("HYBRIDRL_STOPPED_FILE")
+        marker.unlink()
+        p.mark_stopped()  # no launcher asking: nothing written anywhere
+        assert not marker.exists()
+    finally:
+        sig.signal(sig.SIGTERM, old)
