@@ -202,13 +202,13 @@ def train(a: dict, plan) -> None:
     from common.checkpoint import Preemption
     from common.data import iterate_batches, load_rows
     from common.logger import MetricsLogger, git_commit, versions
-    from common.losses import masked_mean, policy_loss, value_loss
+    from common.losses import masked_mean, policy_loss, sampler_gap, value_loss
     from common.models import load_tokenizer, resolve_pretrain
     from common.prompts import build_prompts
     from common.ray_groups import RoleGroup, create_placement_groups, init_ray
-    from common.rewards import RemoteReward, load_reward_func, score_with_function
+    from common.rewards import RemoteReward, load_reward_func, score_rollout, score_with_function
     from common.resources import check_fits, plan_rows
-    from common.rollout import Samples, make_batch, split_batch
+    from common.rollout import Samples, generate_on_ranks, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
     from common.vllm_engine import EngineSpec, generate_balanced, start_engines
@@ -237,6 +237,7 @@ def train(a: dict, plan) -> None:
     require(steps_per_episode > 0, f"{src}: {len(prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
     total_steps = min(a["max_steps"] or math.inf, steps_per_episode * a["num_episodes"])
 
+    score_text = None  # with --reward_pretrain the reward model's workers score instead
     if a["reward_func"]:
         user_fn = load_reward_func(a["reward_func"])
         score_text = lambda p, c, lab: score_with_function(user_fn, p, c, lab, timeout_s=a["reward_timeout"], skip_bad=a["skip_bad_rewards"])  # noqa: E731
@@ -361,28 +362,12 @@ def train(a: dict, plan) -> None:
         """Rollouts from the vLLM engines, or from the policy itself split over the actor's ranks."""
         if engines:
             return generate_balanced(engines, [p.prompt_ids for p in batch_prompts], sampling, seed, 1800)
-        world = len(actor)
-        shards = [batch_prompts[r::world] for r in range(world)]
-        parts = actor.call_per_rank("generate", [([p.prompt_ids for p in s], sampling, seed + r) for r, s in enumerate(shards)])
-        out = Samples([], [], [], [])
-        for r, part in enumerate(parts):
-            for pi, pids, rids, tr in zip(part.prompt_index, part.prompt_ids, part.response_ids, part.truncated):
-                out.prompt_ids.append(pids); out.response_ids.append(rids)
-                out.prompt_index.append(r + pi * world); out.truncated.append(tr)
-        order = sorted(range(len(out)), key=lambda i: out.prompt_index[i])  # keep each prompt's group together
-        return out.select(order)
+        return generate_on_ranks(actor, [p.prompt_ids for p in batch_prompts], sampling, seed)
 
     def score(batch_prompts: list, samples: Samples, batch: dict) -> tuple[torch.Tensor, list[int]]:
         """Scores [N] and the indices of samples whose reward is usable."""
-        if "reward" in groups:
-            return torch.cat(groups["reward"].call_per_rank(
-                "rewards", [(b, a["micro_rollout_batch_size"]) for b in split_batch(batch, len(groups["reward"]))])), list(range(len(samples)))
-        texts = tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
-        ps = [batch_prompts[i].prompt_text for i in samples.prompt_index]
-        labels = [batch_prompts[i].label for i in samples.prompt_index]
-        values, _ = score_text(ps, texts, labels)
-        ok = [i for i, v in enumerate(values) if v is not None]
-        return torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float32), ok
+        return score_rollout(batch_prompts, samples, batch, reward_group=groups.get("reward"), score_text=score_text,
+                             tokenizer=tokenizer, micro_batch=a["micro_rollout_batch_size"])
 
     def per_rank(group, method, batch, *args):
         return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
@@ -391,17 +376,14 @@ def train(a: dict, plan) -> None:
     # trains with its own loss. out["logprobs"]: [b, t-1]; micro: this micro-batch's tensors.
     eps_low, eps_high = a["eps_clip_low_high"] or (a["eps_clip"], a["eps_clip"])
     kl_in_loss = a["use_kl_loss"] and a["init_kl_coef"] > 0
+    is_threshold = a["vllm_is_truncated_threshold"] if a["enable_vllm_is_correction"] else None
 
     def actor_loss(out, micro):
         mask = micro["action_mask"]
         old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
         is_weights, stats = micro.get("is_weights"), {}
         if "gen_logprobs" in micro:  # the engine's log-probs meet this very forward's (see phase 3)
-            gap = out["logprobs"].detach() - micro["gen_logprobs"]
-            stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item()}
-            if a["enable_vllm_is_correction"]:
-                is_weights = gap.exp().clamp(max=a["vllm_is_truncated_threshold"]) * mask
-                stats["is_weight_mean"] = masked_mean(is_weights, mask).item()
+            stats, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, is_threshold)
         loss, clip_frac, approx_kl = policy_loss(out["logprobs"], old, micro["advantages"], mask,
                                                  eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
                                                  is_weights=is_weights)
@@ -487,13 +469,10 @@ def train(a: dict, plan) -> None:
             batch["old_values"] = per_rank(groups["critic"], "values", batch, a["micro_rollout_batch_size"])
         metrics["train/kl"] = masked_mean(kl, mask).item()
         if "gen_logprobs" in batch and not fresh:  # does the engine sample from the policy the trainer holds?
-            gap = batch["old_logprobs"] - batch["gen_logprobs"]
-            metrics["rollout/logprob_diff"] = masked_mean(gap.abs(), mask).item()
-            metrics["rollout/prob_ratio"] = masked_mean(gap.exp(), mask).item()
-            if a["enable_vllm_is_correction"]:
-                batch["is_weights"] = gap.exp().clamp(max=a["vllm_is_truncated_threshold"]) * mask
-                metrics["rollout/is_weight_mean"] = masked_mean(batch["is_weights"], mask).item()
-            del batch["gen_logprobs"]
+            gap, is_weights = sampler_gap(batch["old_logprobs"], batch.pop("gen_logprobs"), mask, is_threshold)
+            metrics.update({f"rollout/{k}": v for k, v in gap.items()})
+            if is_weights is not None:
+                batch["is_weights"] = is_weights
         metrics["time/logprobs_s"] = time.perf_counter() - t0
 
         # 4. advantages
@@ -539,9 +518,8 @@ def train(a: dict, plan) -> None:
             metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
         if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
             metrics["train/kl"] = metrics["train/kl_loss"]
-        for k in ("logprob_diff", "prob_ratio", "is_weight_mean"):  # measured in the training forward (rank 0's share)
-            if f"train/{k}" in metrics:
-                metrics[f"rollout/{k}"] = metrics.pop(f"train/{k}")
+        for k in [k for k in ("logprob_diff", "prob_ratio", "is_weight_mean") if f"train/{k}" in metrics]:
+            metrics[f"rollout/{k}"] = metrics.pop(f"train/{k}")  # measured in the training forward (rank 0's share)
         if metrics.get("rollout/logprob_diff", 0.0) > a["logprob_diff_warn"]:
             log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
                           f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")

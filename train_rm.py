@@ -85,7 +85,8 @@ def train(a: dict) -> None:
 
     from common import ds
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import collate_pairs, iterate_batches, load_preference_data
+    from common.data import iterate_batches
+    from common.preferences import collate_pairs, load_preference_data
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import bradley_terry_loss, log_exp_loss
     from common.models import attn_implementation, load_reward_model, load_tokenizer, reward_scores, resolve_pretrain
@@ -195,13 +196,9 @@ def train(a: dict) -> None:
             engine.step()
             sums += torch.tensor([loss.item() * len(chosen), (chosen > rejected).sum().item(), chosen.sum().item(),
                                   rejected.sum().item(), batch["attention_mask"].sum().item()], dtype=torch.float64)
-        if not engine.was_step_applied():  # DeepSpeed skips an update whose gradients are not finite
-            if not a["skip_nonfinite_updates"]:
-                raise TrainingError(f"step {step + 1}: the reward model loss is finite but its gradients are not; "
-                                    "the update was skipped, so the weights are unchanged. Lower the learning rate or "
-                                    "check the data, or pass --skip_nonfinite_updates to continue past such steps "
-                                    "(nothing after the last checkpoint was saved)")
-            skipped += 1
+        skipped += ds.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the reward model",
+                                     fix="Lower the learning rate or check the data (nothing after the last checkpoint "
+                                     "was saved)")
         if dist.world_size > 1:
             torch.distributed.all_reduce(sums)
         step += 1

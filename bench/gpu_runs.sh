@@ -41,9 +41,8 @@ bench() {  # name, grpo_step.py flags...
   tail -20 "$OUT/$name.txt"
   for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done
 }
-prompts() {  # the copy task's prompts as a JSONL file (random-weight models: the length reward scores them)
-  $PY -c "import json; from common.tasks import prompt_rows
-with open('/tmp/prompts.jsonl', 'w') as f: [f.write(json.dumps(r) + '\n') for r in prompt_rows(2048, 'train', seed=0)]"
+prompts() {  # /tmp/prompts.jsonl: the bench's copy-task prompts (random-weight models: the length reward scores them)
+  $PY -c "from bench.grpo_step import _prompt_file; _prompt_file('/tmp')"
 }
 TASK=(--prompt_data /tmp/prompts.jsonl --input_key prompt --label_key label --apply_chat_template
       --reward_func bench/length_reward.py)

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 
-from common.errors import UserError
+from common.errors import TrainingError, UserError
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,18 @@ def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
     check, or `_SkipNonfinite` under ZeRO-0), on every rank alike since both see all-reduced gradients.
     """
     return loss if torch.isfinite(loss) else loss * float("nan")
+
+
+def update_skipped(engine, *, allow: bool, who: str, fix: str) -> bool:
+    """After `engine.step()` closed an optimizer step: True when DeepSpeed skipped the update because
+    its gradients were not finite (weights, moments and schedule untouched). Unless `allow`
+    (--skip_nonfinite_updates) that stops the run: `who` names the step and model, `fix` what to try."""
+    if engine.was_step_applied():
+        return False
+    if not allow:
+        raise TrainingError(f"{who} loss is finite but its gradients are not; the update was skipped, so the weights "
+                            f"are unchanged. {fix}, or pass --skip_nonfinite_updates to continue past such steps")
+    return True
 
 
 def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):

@@ -219,6 +219,23 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
     return masked_mean(per_seq, mask.bool().any(-1))
 
 
+def sampler_gap(logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
+                is_threshold: float | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+    """How far the trainer's log-probs of the sampled tokens are from the sampler's (vLLM's).
+
+    logp, gen_logp, mask: [B, T]. Returns ({"logprob_diff": mean |gap|, "prob_ratio": mean
+    exp(gap)[, "is_weight_mean"]}, truncated importance weights exp(gap) clamped at `is_threshold`
+    [B, T], or None without a threshold).
+    """
+    gap = logp.detach() - gen_logp
+    stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item()}
+    if is_threshold is None:
+        return stats, None
+    weights = gap.exp().clamp(max=is_threshold) * mask
+    stats["is_weight_mean"] = masked_mean(weights, mask).item()
+    return stats, weights
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -248,3 +248,27 @@ class RemoteReward:
 
     def close(self) -> None:
         self.session.close()
+
+
+def score_rollout(prompts: list, samples, batch: dict, *, reward_group=None, score_text=None, tokenizer=None,
+                  micro_batch: int = 64):
+    """Scores [N] of a rollout and the indices of the samples whose reward is usable.
+
+    From a reward-model group (each rank scores its share of `batch`; every sample usable), or from
+    `score_text(prompt_texts, completions, labels) -> (values, _)` on the decoded responses, where a
+    value of None (a skipped bad reward) marks the sample unusable. `prompts[i]` is sample i's
+    prompt (`samples.prompt_index`).
+    """
+    import torch
+
+    from common.rollout import split_batch
+
+    if reward_group is not None:
+        parts = [(b, micro_batch) for b in split_batch(batch, len(reward_group))]
+        return torch.cat(reward_group.call_per_rank("rewards", parts)), list(range(len(samples)))
+    texts = tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
+    values, _ = score_text([prompts[i].prompt_text for i in samples.prompt_index], texts,
+                           [prompts[i].label for i in samples.prompt_index])
+    ok = [i for i, v in enumerate(values) if v is not None]
+    return torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float32), ok
+

@@ -115,3 +115,18 @@ def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: floa
             out_i.append(start + j)
             out_t.append(eos_id not in row)
     return Samples(out_p, out_r, out_i, out_t)
+
+
+def generate_on_ranks(actor, prompt_ids: list[list[int]], sampling: dict, seed: int) -> Samples:
+    """The policy samples for itself (no vLLM): prompts dealt round-robin over the actor group's
+    ranks (rank r, seed + r), the answers put back in prompt order, each prompt's group together."""
+    world = len(actor)
+    parts = actor.call_per_rank("generate", [(prompt_ids[r::world], sampling, seed + r) for r in range(world)])
+    out = Samples([], [], [], [])
+    for r, part in enumerate(parts):
+        out.prompt_ids += part.prompt_ids
+        out.response_ids += part.response_ids
+        out.prompt_index += [r + i * world for i in part.prompt_index]
+        out.truncated += part.truncated
+    return out.select(sorted(range(len(out)), key=lambda i: out.prompt_index[i]))
+

@@ -139,8 +139,7 @@ class WeightSync:
     def __init__(self, actor_group, engines: list, *, transport: str, bucket_mb: float, timeout_s: float):
         from common.ray_groups import get
 
-        self.actor, self.engines, self.transport = actor_group, engines, transport
-        self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.actor, self.engines, self.transport, self.timeout_s = actor_group, engines, transport, timeout_s
         if transport == "cuda_ipc" and len(engines) > len(actor_group):
             raise UserError(f"--vllm_sync_backend cuda_ipc: {len(engines)} engines share the GPUs of {len(actor_group)} "
                             "actor ranks, one engine per actor GPU at most; use nccl or fewer engines")
@@ -179,7 +178,7 @@ class WeightSync:
         k = len(self.actor)
         # Every rank takes part (ZeRO-3 gathers); with CUDA IPC rank i serves engine i, on its GPU.
         senders = len(self.engines) if self.transport == "cuda_ipc" else 1
-        sent = self.actor.async_call("send_weights", self.transport, self.bucket_mb, senders)
+        sent = self.actor.async_call("send_weights", self.transport, self.buckets, senders)
         if self.transport in COLLECTIVE:  # the engines receive while the actor sends
             got = [e.receive_weights.remote(self.buckets, self.transport, None) for e in self.engines]
             loads = self._wait(sent + got, lambda i: "the actor" if i < k else f"vLLM engine {i - k}", deadline)[k:]

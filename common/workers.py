@@ -148,11 +148,12 @@ class ModelWorker(BaseWorker):
 
         loss_fn(out, micro) -> (loss, stats): `out` is {"logprobs": [b, t-1], "entropy": ...} for a
         causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors.
-        A non-finite loss or gradient raises FloatingPointError naming the role and `step` (the
+        A non-finite loss or gradient raises TrainingError naming the role and `step` (the
         driver's step number); with `skip_nonfinite` that update is skipped instead (the weights stay
         as they were) and its stats say "skipped": 1.
         """
-        from common.ds import poison_nonfinite
+        from common.ds import poison_nonfinite, update_skipped
+        from common.errors import TrainingError
 
         at = f"step {step}, " if step is not None else ""
         self.model.train()
@@ -175,9 +176,9 @@ class ModelWorker(BaseWorker):
                     out = {"values": self._token_values(micro)}
                 loss, stats = loss_fn(out, micro)
                 if not skip_nonfinite and not torch.isfinite(loss):  # stop before a NaN reaches the weights
-                    raise FloatingPointError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is "
-                                             f"{loss.item()}; lower the learning rate or check the rewards, or pass "
-                                             "--skip_nonfinite_updates to skip such updates")
+                    raise TrainingError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is "
+                                        f"{loss.item()}; lower the learning rate or check the rewards, or pass "
+                                        "--skip_nonfinite_updates to skip such updates")
                 self.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
                 # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
                 # its NaN gradients make DeepSpeed skip the update on every rank.
@@ -185,12 +186,8 @@ class ModelWorker(BaseWorker):
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
-            skipped = not self.model.was_step_applied()  # DeepSpeed skips an update with non-finite gradients
-            if skipped and not skip_nonfinite:
-                raise FloatingPointError(f"{at}optimizer step {s + 1} of {steps}: the {self.role} loss is finite but "
-                                         "its gradients are not; the update was skipped, so the weights are unchanged. "
-                                         "Lower the learning rate or check the rewards, or pass "
-                                         "--skip_nonfinite_updates to continue past such steps")
+            skipped = update_skipped(self.model, allow=skip_nonfinite, who=f"{at}optimizer step {s + 1} of {steps}: "
+                                     f"the {self.role}", fix="Lower the learning rate or check the rewards")
             n_micro = len(micros)
             stats = {k: v / n_micro for k, v in acc.items()}
             stats["skipped"] = float(skipped)
@@ -262,7 +259,7 @@ class ModelWorker(BaseWorker):
 
         self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
 
-    def send_weights(self, transport: str, bucket_mb: float, senders: int = 1) -> list:
+    def send_weights(self, transport: str, buckets: list, senders: int = 1) -> list:
         """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.
         Returns the payloads: object refs ("ray"), IPC handles ("cuda_ipc") or nothing (broadcast).
         With CUDA IPC engine i maps the copy of the actor rank on its GPU, rank i (i < `senders`)."""
@@ -274,7 +271,7 @@ class ModelWorker(BaseWorker):
         params = dict(self._named_params())
         device = self.dist.device if transport in ("nccl", "cuda_ipc") else torch.device("cpu")
         out, self._sync_keep = [], []
-        for bucket in self.weight_plan(bucket_mb):
+        for bucket in buckets:  # weight_plan's, as the engines expect them
             group = [params[n] for n in bucket.names]
             with deepspeed.zero.GatheredParameters(group, enabled=hasattr(group[0], "ds_id")):
                 flat = ws.pack(group, self.dtype, device) if self.dist.rank < senders else None

@@ -318,3 +318,17 @@ def test_value_loss_matches_naive():
                     e = max(e, (vc - float(R[b, t])) ** 2)
                 errs.append(e)
         assert L.value_loss(v, old, R, mask, clip).item() == pytest.approx(0.5 * sum(errs) / len(errs), abs=1e-5)
+
+
+def test_sampler_gap_matches_a_loop_over_valid_tokens():
+    torch.manual_seed(3)
+    logp, gen = -torch.rand(3, 5) * 4, -torch.rand(3, 5) * 4
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
+    gen[mask == 0] = 0.0  # what make_batch leaves at padding
+    stats, w = L.sampler_gap(logp, gen, mask, is_threshold=2.0)
+    pairs = [(float(logp[i, t]), float(gen[i, t])) for i in range(3) for t in range(5) if mask[i, t]]
+    assert stats["logprob_diff"] == pytest.approx(sum(abs(a - b) for a, b in pairs) / len(pairs), rel=1e-5)
+    assert stats["prob_ratio"] == pytest.approx(sum(math.exp(a - b) for a, b in pairs) / len(pairs), rel=1e-5)
+    assert stats["is_weight_mean"] == pytest.approx(sum(min(math.exp(a - b), 2.0) for a, b in pairs) / len(pairs), rel=1e-5)
+    assert float(w.max()) <= 2.0 and float(w[mask == 0].abs().sum()) == 0.0
+    assert L.sampler_gap(logp, gen, mask)[1] is None and "is_weight_mean" not in L.sampler_gap(logp, gen, mask)[0]
