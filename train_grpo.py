@@ -246,8 +246,6 @@ def train(a: dict, plan) -> None:
         require(not a["vllm_enable_sleep"], "--vllm_enable_sleep: vLLM cannot sleep on CPU; drop --vllm_enable_sleep")
         require(not a["deepspeed_enable_sleep"],
                 "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
-    require(a["vllm_tensor_parallel_size"] == 1 or a["vllm_num_engines"] == 0,
-            "--vllm_tensor_parallel_size > 1 is not supported yet: use more engines of size 1")
     roles = {r.role: r for r in plan.roles}
     transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
                                  colocated=plan.vllm_group == roles["actor"].group) if a["vllm_num_engines"] else None
@@ -288,14 +286,16 @@ def train(a: dict, plan) -> None:
         vspec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
                            max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
                            enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
-                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu)
+                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
+                           tensor_parallel_size=a["vllm_tensor_parallel_size"])
         shared = plan.vllm_group == roles["actor"].group
-        engines = start_engines(a["vllm_num_engines"], vspec, pgs[plan.vllm_group], 0, plan.vllm_gpu_fraction,
-                                roles["actor"].cpu_fraction if shared else 1.0)
+        engines = start_engines(a["vllm_num_engines"], vspec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,
+                                roles["actor"].cpu_fraction if shared else a["vllm_tensor_parallel_size"],
+                                shared_with=groups["actor"] if shared else None)
     infos = [get(p, 1800, "model setup") for p in pending]
     actor = groups["actor"]
     sync = WeightSync(actor, engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
-                      timeout_s=a["vllm_sync_timeout"]) if engines else None
+                      timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"]) if engines else None
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")

@@ -177,6 +177,13 @@ class BaseWorker:
     def ping(self) -> int:
         return self.rank
 
+    def placement(self) -> tuple[str, list[str]]:
+        """(Ray node id, ids of the GPUs Ray gave this worker): where a colocated vLLM engine's
+        tensor-parallel workers must run to share this rank's GPU."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
 
 _NOISE = re.compile(r"^\s*[\^~]+\s*$|^\s*(actor_id|namespace|pid|ip): ")  # caret marks, Ray's ids
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -260,7 +267,8 @@ class RoleGroup:
         try:
             addr, port = get(self.actors[0].node_address.remote(), timeout_s, f"{role} rank 0 start")
             self.actors += [spawn(i, addr, port) for i in range(1, world)]
-            get([a.ping.remote() for a in self.actors], max(timeout_s - (time.time() - t0), 1), f"{role} start")
+            self.placements = get([a.placement.remote() for a in self.actors], max(timeout_s - (time.time() - t0), 1),
+                                  f"{role} start")
         except BaseException:
             self.shutdown()
             raise

@@ -178,9 +178,11 @@ def plan_resources(
         if engines_here:
             vllm_group, vllm_fraction = name, frac
     if vllm_num_engines and vllm_group is None:
+        # One bundle per engine holding all its tensor-parallel GPUs: a bundle lies on one node, as
+        # the engine's workers must (they talk over NVLink / shared memory).
         vllm_group = "vllm"
-        vllm_fraction = 1.0 if use_gpu else 0.0
-        groups.append(PlacementPlan("vllm", [dict(bundle) for _ in range(vllm_workers)]))
+        vllm_fraction = float(vllm_tp) if use_gpu else 0.0
+        groups.append(PlacementPlan("vllm", [{k: v * vllm_tp for k, v in bundle.items()} for _ in range(vllm_num_engines)]))
     roles.sort(key=lambda p: ROLES.index(p.role))
     return Plan(roles, groups, vllm_num_engines, vllm_tp, vllm_group, use_gpu, vllm_fraction)
 
@@ -233,14 +235,16 @@ def plan_rows(plan: Plan) -> list[dict[str, str]]:
     if plan.vllm_engines:
         n = plan.vllm_engines * plan.vllm_tp
         mates = [o.role for o in plan.roles if o.group == plan.vllm_group]
-        share = f", {plan.vllm_gpu_fraction:g} GPU each" if plan.use_gpu else ""
+        own = plan.vllm_group == "vllm"
+        bundles = plan.vllm_engines if own else n
+        share = f", {plan.vllm_gpu_fraction:g} GPU{'s' if plan.vllm_gpu_fraction > 1 else ''} each" if plan.use_gpu else ""
         rows.append({
             "role": "vllm",
             "nodes": "-",
             "GPUs/node": f"{plan.vllm_engines} engines x TP {plan.vllm_tp}",
             "workers": str(n),
             "colocated with": ", ".join(mates) or "-",
-            "placement": f"group {plan.vllm_group}: bundles 0-{n - 1}{share}",
+            "placement": f"group {plan.vllm_group}: bundle{'s 0-' if bundles > 1 else ' '}{bundles - 1}{share}",
         })
     return rows
 

@@ -1,19 +1,23 @@
 """vLLM rollout engines as Ray actors, and pushing the trainer's weights into them.
 
 Each engine is one `vllm.LLM` running in its actor's own process (vLLM's in-process mode: it starts
-in seconds and takes tensors directly, with no serialisation between engine and worker). Prompts go
+in seconds and takes tensors directly, with no serialisation between engine and worker). With
+`--vllm_tensor_parallel_size` > 1 the engine's workers are processes of their own (vLLM's
+multiprocess executor), one per GPU of the engine, or one per group of cores on CPU. Prompts go
 in as token ids and samples come out as token ids with the engine's log-prob of each sampled token,
 so the trainer can check that both sides agree (`rollout/logprob_diff`).
 
-The engine's side of the weight sync (joining the sync group, receiving buckets, loading them) is
-here; the protocol and the transports (CUDA IPC, NCCL, gloo, Ray's object store) are in
-`common.weight_sync`.
+The worker's side of the weight sync is `common.vllm_worker` (every tensor-parallel worker receives
+the full weights and keeps its shard); the protocol and the transports (CUDA IPC, NCCL, gloo, Ray's
+object store) are in `common.weight_sync`.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
+
+from common.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -31,17 +35,35 @@ class EngineSpec:
     # kernels make samples unrepeatable anyway, and per-request generators cost 15% of the decode
     # there (bench/vllm_gen.py): the engine's own seeded stream is used instead.
     per_request_seeds: bool = True
+    tensor_parallel_size: int = 1
+
+
+def cpu_binding(cores: list[int], tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: the cores split into `tp` runs, "0,1|2,3".
+
+    vLLM's automatic binding gives each worker a NUMA node of its own, which refuses a second worker
+    on a one-node machine; when there are fewer cores than workers, they share round-robin."""
+    if len(cores) < tp:
+        return "|".join(str(cores[i % len(cores)]) for i in range(tp))
+    bounds = [round(i * len(cores) / tp) for i in range(tp + 1)]
+    return "|".join(",".join(str(c) for c in cores[bounds[i]:bounds[i + 1]]) for i in range(tp))
 
 
 class VllmEngine:
-    """One vLLM engine (tensor parallel size 1) in a Ray actor."""
+    """One vLLM engine in a Ray actor; `visible_devices`: the GPUs its tensor-parallel workers use
+    when they share the actor's GPUs (None: the GPUs Ray gave this actor)."""
 
-    def __init__(self, spec: EngineSpec, index: int, env: dict | None = None):
+    def __init__(self, spec: EngineSpec, index: int, env: dict | None = None, visible_devices: list[str] | None = None):
         os.environ.update(env or {})
         # In-process engine: starts in ~5 s instead of ~35 s, and weights reach it as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves 92% of RAM
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        tp = spec.tensor_parallel_size
+        if visible_devices:  # set before anything in this process starts CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # read only by vLLM-CPU
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
         import logging
 
         logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -51,7 +73,9 @@ class VllmEngine:
         self.llm = LLM(model=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len,
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
-                       max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs")
+                       max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs",
+                       tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+                       worker_extension_cls="common.vllm_worker.WeightReceiver")
 
     def ready(self) -> int:
         return self.index
@@ -84,34 +108,19 @@ class VllmEngine:
         return s
 
     # ---------------------------------------------------------------- weight sync (common.weight_sync)
-    def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        from common.weight_sync import join_group
+    def join_sync_group(self, backend: str, addr: str, port: int, first_rank: int, world: int, timeout_s: float) -> None:
+        """Each worker joins as rank `first_rank` + its tensor-parallel rank."""
+        self.llm.collective_rpc("hybridrl_join", args=(backend, addr, port, first_rank, world, timeout_s))
 
-        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
-
-    def receive_weights(self, buckets: list, transport: str, payloads: list | None) -> float:
-        """Take every bucket, then load them in one reload; returns the seconds spent loading."""
+    def receive_weights(self, buckets: list, transport: str, payload) -> float:
+        """Every worker takes every bucket, then loads them in one reload; returns the seconds spent."""
         import ray
-        import torch
 
-        from common import weight_sync as ws
-
-        weights = []
-        for i, bucket in enumerate(buckets):
-            if transport == "ray":
-                flat = ray.get(payloads[i])
-            elif transport == "cuda_ipc":
-                flat = ws.open_shared(payloads[i])
-            else:
-                device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
-                flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
-                ws.broadcast(self._sync_group, flat)
-            weights += ws.unpack(flat, bucket)
         t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if transport == "ray":  # fetched here once; the workers get the tensors
+            payload = ray.get(payload)
+        self.llm.collective_rpc("hybridrl_receive", args=(buckets, transport, payload))
         self.llm.reset_prefix_cache()
-        if transport == "cuda_ipc":
-            torch.cuda.current_stream().synchronize()  # done reading the actor's buffers before it frees them
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- sleep (GPU only)
@@ -122,20 +131,34 @@ class VllmEngine:
         self.llm.wake_up(tags=tags)
 
 
-def start_engines(num: int, spec: EngineSpec, pg, bundle_offset: int, gpu_fraction: float, cpu_fraction: float,
+def start_engines(num: int, spec: EngineSpec, pg, gpu_fraction: float, cpu_fraction: float, *, shared_with=None,
                   env: dict | None = None, timeout_s: float = 900) -> list:
-    """`num` engine actors on consecutive bundles of `pg`; waits until each has loaded its model."""
+    """`num` engine actors; waits until each has loaded its model.
+
+    Own group (`shared_with` None): engine i holds bundle i of `pg`, which has all its GPUs.
+    Colocated (`shared_with`: the actor's RoleGroup, whose one-GPU bundles it shares): engine i sits
+    on bundle i x TP, and its workers on the GPUs of actor ranks i x TP .. (i + 1) x TP - 1.
+    """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from common.ray_groups import get
 
+    tp = spec.tensor_parallel_size
     cls = ray.remote(VllmEngine)
     engines = []
     for i in range(num):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_offset + i)
+        bundle, visible = i, None
+        if shared_with is not None:
+            bundle = i * tp
+            ranks = shared_with.placements[bundle: bundle + tp]
+            if len({node for node, _ in ranks}) > 1:
+                raise UserError(f"vLLM engine {i} would span nodes: actor ranks {bundle}-{bundle + tp - 1} are on "
+                                f"different nodes; --vllm_tensor_parallel_size {tp} must divide the GPUs per node")
+            visible = [g for _, gpus in ranks for g in gpus] or None
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         engines.append(cls.options(num_cpus=cpu_fraction, num_gpus=gpu_fraction, scheduling_strategy=strategy)
-                       .remote(spec, i, env))
+                       .remote(spec, i, env, visible))
     get([e.ready.remote() for e in engines], timeout_s, "vLLM engine start")
     return engines
 

@@ -3,8 +3,10 @@
 The actor's rank 0 walks its model in buckets of about `bucket_mb` (under ZeRO-3 each bucket's
 parameters are gathered together: one collective over the actor's ranks per bucket, not one per
 parameter), packs each bucket into one flat tensor in the engines' dtype, and hands it over by:
-- "cuda_ipc": the engine shares the actor's GPU (colocated): it maps the actor's buffer, no copy;
-- "nccl": engines on other GPUs: one broadcast per bucket over a group of actor rank 0 + engines;
+- "cuda_ipc": the engines share the actor's GPUs (colocated): every actor rank packs a copy on its
+  GPU and the engine worker on that GPU maps it, no copy;
+- "nccl": engines on other GPUs: one broadcast per bucket over a group of actor rank 0 + every
+  engine worker (each tensor-parallel worker takes the full tensors and keeps its shard);
 - "gloo": the same broadcast between CPU processes (the CPU path, on one node or several);
 - "ray": the object store (any placement; a copy through host memory on each side).
 An engine keeps the buckets until all have arrived and loads them with one `reload_weights`, which
@@ -136,19 +138,21 @@ def open_shared(handle):
 class WeightSync:
     """Connects the actor group to the engines once; each call pushes the current weights."""
 
-    def __init__(self, actor_group, engines: list, *, transport: str, bucket_mb: float, timeout_s: float):
+    def __init__(self, actor_group, engines: list, *, transport: str, bucket_mb: float, timeout_s: float, tp: int = 1):
         from common.ray_groups import get
 
         self.actor, self.engines, self.transport, self.timeout_s = actor_group, engines, transport, timeout_s
-        if transport == "cuda_ipc" and len(engines) > len(actor_group):
-            raise UserError(f"--vllm_sync_backend cuda_ipc: {len(engines)} engines share the GPUs of {len(actor_group)} "
-                            "actor ranks, one engine per actor GPU at most; use nccl or fewer engines")
+        if transport == "cuda_ipc" and len(engines) * tp > len(actor_group):
+            raise UserError(f"--vllm_sync_backend cuda_ipc: {len(engines)} engines x TP {tp} share the GPUs of "
+                            f"{len(actor_group)} actor ranks, one engine worker per actor GPU at most; use nccl or "
+                            "fewer engines")
         self.buckets = get(actor_group.actors[0].weight_plan.remote(bucket_mb), timeout_s, "actor weight plan")
-        if transport in COLLECTIVE:
+        if transport in COLLECTIVE:  # actor rank 0 is rank 0; worker j of engine i is 1 + i x tp + j
             addr, port = get(actor_group.actors[0].sync_address.remote(), timeout_s, "actor weight-sync address")
-            world = 1 + len(engines)
+            world = 1 + len(engines) * tp
             refs = [actor_group.actors[0].join_sync_group.remote(transport, addr, port, 0, world, timeout_s)]
-            refs += [e.join_sync_group.remote(transport, addr, port, i + 1, world, timeout_s) for i, e in enumerate(engines)]
+            refs += [e.join_sync_group.remote(transport, addr, port, 1 + i * tp, world, timeout_s)
+                     for i, e in enumerate(engines)]
             self._wait(refs, "connecting the actor and the vLLM engines", time.perf_counter() + timeout_s)
 
     def _wait(self, refs: list, who, deadline: float):
@@ -176,17 +180,18 @@ class WeightSync:
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
         k = len(self.actor)
-        # Every rank takes part (ZeRO-3 gathers); with CUDA IPC rank i serves engine i, on its GPU.
-        senders = len(self.engines) if self.transport == "cuda_ipc" else 1
+        # Every rank takes part (ZeRO-3 gathers); with CUDA IPC every rank shares a copy on its GPU,
+        # for the engine worker on that GPU.
+        senders = k if self.transport == "cuda_ipc" else 1
         sent = self.actor.async_call("send_weights", self.transport, self.buckets, senders)
         if self.transport in COLLECTIVE:  # the engines receive while the actor sends
             got = [e.receive_weights.remote(self.buckets, self.transport, None) for e in self.engines]
             loads = self._wait(sent + got, lambda i: "the actor" if i < k else f"vLLM engine {i - k}", deadline)[k:]
         else:
             payloads = self._wait(sent, "the actor's weight gather", deadline)
-            if self.transport == "ray":
-                payloads = [payloads[0]] * len(self.engines)
-            got = [e.receive_weights.remote(self.buckets, self.transport, p) for e, p in zip(self.engines, payloads)]
+            # "ray": rank 0's object refs; "cuda_ipc": {GPU: handles}, each worker finds its GPU's copy.
+            payload = payloads[0] if self.transport == "ray" else dict(payloads)
+            got = [e.receive_weights.remote(self.buckets, self.transport, payload) for e in self.engines]
             loads = self._wait(got, lambda i: f"vLLM engine {i}", deadline)
             if self.transport == "cuda_ipc":  # the engines have loaded: the shared buffers can go
                 self._wait(self.actor.async_call("release_sync_buffers"), "the actor", deadline)

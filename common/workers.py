@@ -261,8 +261,8 @@ class ModelWorker(BaseWorker):
 
     def send_weights(self, transport: str, buckets: list, senders: int = 1) -> list:
         """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.
-        Returns the payloads: object refs ("ray"), IPC handles ("cuda_ipc") or nothing (broadcast).
-        With CUDA IPC engine i maps the copy of the actor rank on its GPU, rank i (i < `senders`)."""
+        Returns the payloads: object refs ("ray"), (this GPU's UUID, IPC handles) ("cuda_ipc": ranks
+        below `senders` share a copy each, for the engine worker on their GPU) or nothing (broadcast)."""
         import deepspeed
         import ray
 
@@ -284,8 +284,9 @@ class ModelWorker(BaseWorker):
                 out.append(ws.share(flat))
             else:
                 ws.broadcast(self._sync_group, flat)
-        if transport == "cuda_ipc":
+        if transport == "cuda_ipc" and out:
             torch.cuda.current_stream().synchronize()  # the engines read what the copies wrote
+            return str(torch.cuda.get_device_properties(self.dist.device).uuid), out
         return out
 
     def release_sync_buffers(self) -> None:

@@ -40,17 +40,19 @@ def test_grpo_hybrid_without_critic_or_reward_model():
 def test_separate_layout_totals_sum_roles_and_engine_bundles():
     # The reference's 70B shape, every role on its own GPUs: 16 + 16 + 8 + 8 + 4 x 4.
     p = plan(actor=(2, 8), critic=(2, 8), ref=(1, 8), reward=(1, 8), engines=4, tp=4)
-    assert {g.name: len(g.bundles) for g in p.groups} == {"actor": 16, "ref": 8, "critic": 16, "reward": 8, "vllm": 16}
+    assert {g.name: len(g.bundles) for g in p.groups} == {"actor": 16, "ref": 8, "critic": 16, "reward": 8, "vllm": 4}
     assert p.total() == {"GPU": 64.0, "CPU": 64.0}
     assert all(r.gpu_fraction == 1.0 and r.shares == 1 for r in p.roles)
-    assert p.vllm_group == "vllm" and p.vllm_gpu_fraction == 1.0
+    # One bundle per engine holds its 4 tensor-parallel GPUs, so Ray keeps each engine on one node.
+    assert p.group("vllm").bundles == [{"GPU": 4.0, "CPU": 4.0}] * 4
+    assert p.vllm_group == "vllm" and p.vllm_gpu_fraction == 4.0
     assert p.role("actor").workers == 16 and p.role("ref").workers == 8
 
 
 def test_pairwise_colocation_halves_the_gpus():
     p = plan(actor=(2, 8), critic=(2, 8), ref=(2, 8), reward=(2, 8), engines=4, tp=4,
              colocate_actor_ref=True, colocate_critic_reward=True)
-    assert {g.name: len(g.bundles) for g in p.groups} == {"actor+ref": 16, "critic+reward": 16, "vllm": 16}
+    assert {g.name: len(g.bundles) for g in p.groups} == {"actor+ref": 16, "critic+reward": 16, "vllm": 4}
     assert p.total()["GPU"] == 48.0
     assert p.role("ref").group == "actor+ref" and p.role("reward").group == "critic+reward"
     assert p.role("actor").gpu_fraction == 0.5 and p.role("critic").gpu_fraction == 0.5

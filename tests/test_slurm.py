@@ -248,7 +248,7 @@ def test_ppo_70b_plan_is_48_gpus_in_three_groups_of_16():
     rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in roles}
     assert "group actor+ref: bundles 0-15" in rows["actor"] and "group actor+ref" in rows["ref"], out
     assert "group critic+reward: bundles 0-15" in rows["critic"] and "group critic+reward" in rows["reward"], out
-    assert "4 engines x TP 4" in rows["vllm"] and "group vllm: bundles 0-15, 1 GPU each" in rows["vllm"], out
+    assert "4 engines x TP 4" in rows["vllm"] and "group vllm: bundles 0-3, 4 GPUs each" in rows["vllm"], out
     # A flag after the template's name overrides the template's own: 2 engines x TP 4 = 8 GPUs fewer.
     assert _total_gpus(_dry_run("ppo_70b.sh", "--vllm_num_engines", "2")) == 40
 

@@ -68,8 +68,8 @@ def rig(ray_cluster):
     optim = dict(lr=1e-2, total_steps=100, warmup_ratio=0.0, scheduler="constant_with_warmup")
     actor = RoleGroup("actor", ModelWorker, plan.role("actor"), pgs["actor"])
     setup = actor.async_call("setup", ModelSpec(path, "causal_lm", True, settings, optim=optim))
-    engine = start_engines(1, EngineSpec(path, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=64),
-                           pgs["vllm"], 0, 0.0, 1.0)[0]
+    engine_spec = EngineSpec(path, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=64)
+    engine = start_engines(1, engine_spec, pgs["vllm"], 0.0, 1.0)[0]
     get(setup, 600, "actor setup")
     print(f"actor + engine ready in {time.perf_counter() - t0:.1f} s")
     # ~3 MB of fp32 in buckets of 0.5 MB: several buckets per sync, through each CPU transport
@@ -77,7 +77,7 @@ def rig(ray_cluster):
     tok = load_tokenizer(path)
     prompts = [p.prompt_ids for p in build_prompts(prompt_rows(8, "eval", seed=3), "copy task", tok,
                                                     apply_chat_template=True)[0]]
-    yield SimpleNamespace(actor=actor, engine=engine, tok=tok, prompts=prompts, syncs=syncs)
+    yield SimpleNamespace(actor=actor, engine=engine, engine_spec=engine_spec, tok=tok, prompts=prompts, syncs=syncs)
     actor.shutdown()
     ray.kill(engine)
     for pg in pgs.values():
@@ -184,6 +184,55 @@ def test_sync_timeout_names_the_engine(rig):
     assert _engine(rig, rig.prompts, GREEDY).response_ids == rig.actor.call("generate", rig.prompts, GREEDY, 0)[0].response_ids
 
 
+def test_cpu_binding_gives_each_worker_its_own_cores():
+    from common.vllm_engine import cpu_binding
+
+    assert cpu_binding([0, 1], 2) == "0|1"
+    assert cpu_binding([2, 3, 4, 5, 6], 2) == "2,3|4,5,6"  # the cores this process may use, split in runs
+    assert cpu_binding([0], 2) == "0|0"  # fewer cores than workers: they share
+
+
+def test_tensor_parallel_engine_follows_the_trainer(rig):
+    """An engine of two tensor-parallel workers (vLLM's multiprocess executor, one core each) gets the
+    full weights in every worker: after each sync its greedy answers are the trainer's and its
+    log-probs match the trainer's as closely as a one-worker engine's (a worker left with old
+    weights would mix two models' shards)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from common.rollout import Samples, make_batch
+    from common.vllm_engine import EngineSpec, start_engines
+    from common.weight_sync import WeightSync
+
+    pg = placement_group([{"CPU": 2.0}])
+    ray.get(pg.ready(), timeout=60)
+    t0 = time.perf_counter()
+    spec = EngineSpec(rig.engine_spec.path, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=64,
+                      tensor_parallel_size=2)
+    engine = start_engines(1, spec, pg, 0.0, 2.0)[0]
+    started = time.perf_counter() - t0
+    try:
+        syncs = {t: WeightSync(rig.actor, [engine], transport=t, bucket_mb=0.5, timeout_s=120, tp=2) for t in ("gloo", "ray")}
+        sampling = dict(GREEDY, n=4, greedy=False)
+        for transport, answer in (("gloo", "owl owl"), ("ray", "red fox")):
+            # Move the trainer first, so the engine's answers change only through the sync.
+            target = rig.tok.encode(answer, add_special_tokens=False) + [rig.tok.eos_token_id]
+            n = len(rig.prompts)
+            batch = make_batch(Samples(rig.prompts, [target] * n, list(range(n)), [False] * n), rig.tok.pad_token_id)
+            for _ in range(6):
+                rig.actor.call("train", batch, nll_loss, output="logprobs", micro_batch=8, steps=1)
+            m = syncs[transport]()
+            greedy = ray.get(engine.generate.remote(rig.prompts, GREEDY, 0), timeout=120)
+            assert greedy.response_ids == rig.actor.call("generate", rig.prompts, GREEDY, 0)[0].response_ids, transport
+            lp, gen, mask = _trainer_logprobs(rig, ray.get(engine.generate.remote(rig.prompts, sampling, 1), timeout=120))
+            gap = (lp - gen).abs() * mask
+            print(f"TP=2 engine (started in {started:.0f} s), {transport} sync {m['time/weight_sync_s'] * 1e3:.0f} ms: "
+                  f"|trainer - engine| log-prob mean {gap.sum() / mask.sum():.2e}, max {gap.max():.2e}")
+            assert gap.sum() / mask.sum() < MEAN_LOGPROB_TOL and gap.max() < TOKEN_LOGPROB_TOL
+    finally:
+        ray.kill(engine)
+        remove_placement_group(pg)
+
+
 # ---------------------------------------------------------------- the scripts with engines
 def _check_engine_metrics(rows: list[dict], steps: int, is_correction: bool = False) -> float:
     """Every step compared the trainer's log-probs with the engine's (in a separate forward, or in
@@ -221,8 +270,12 @@ PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_
 
 
 @pytest.mark.parametrize("name,engines,flags", [
-    ("train_grpo.py", 1, ["--rollout_batch_size", "8"]),
-    ("train_ppo.py", 1, PPO_SMALL),
+    # the reference commands' shape, scaled down: the engine's two tensor-parallel workers share the
+    # two actor ranks' bundles (--colocate_all_models), and CPU cores
+    ("train_grpo.py", 1, ["--rollout_batch_size", "8", "--micro_train_batch_size", "16", "--actor_num_gpus_per_node", "2",
+                          "--ref_num_gpus_per_node", "2", "--vllm_tensor_parallel_size", "2", "--colocate_all_models"]),
+    # a tensor-parallel engine in a group of its own (one bundle of two cores)
+    ("train_ppo.py", 1, PPO_SMALL + ["--vllm_tensor_parallel_size", "2"]),
     # the other CPU transport end to end; IS weights taken in the training forward (one step per rollout)
     ("train_ppo.py", 2, PPO_SMALL + ["--vllm_sync_backend", "ray", "--enable_vllm_is_correction"]),
 ])
