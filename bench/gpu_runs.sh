@@ -6,6 +6,8 @@
 #   bash bench/gpu_runs.sh ppo        # PPO with the hybrid engine, 20 steps
 #   bash bench/gpu_runs.sh check      # vLLM sampling-option costs; DeepSpeed sleep memory per state (ZeRO-2, 3)
 #   bash bench/gpu_runs.sh x2         # two GPUs: actor (+ reference) on one, vLLM on the other, NCCL sync, 20 steps
+#   bash bench/gpu_runs.sh tp2        # two GPUs: the reference PPO command's shape, 1 engine x TP 2, hybrid engine
+#   bash bench/gpu_runs.sh diag       # vLLM generation: bare, through our engine class, in a Ray actor
 #   bash bench/gpu_runs.sh bench      # bench/grpo_step.py, 0.5B, ours vs TRL, with vLLM colocated
 #   bash bench/gpu_runs.sh train      # bench/train_step.py: the training phase per ZeRO stage, micro-batch, shape
 #   bash bench/gpu_runs.sh bench_hf   # the same without vLLM
@@ -82,6 +84,19 @@ x2)  # needs 2 GPUs: the plan puts actor + reference on GPU 0 and the engine alo
   run grpo_x2 train_grpo.py --pretrain $M "${TASK[@]}" "${GRPO[@]}" --colocate_actor_ref --vllm_num_engines 1 \
     --vllm_sync_backend ${SYNC/auto/nccl} --vllm_gpu_memory_utilization 0.5 --micro_train_batch_size 16 --zero_stage 2
   ;;
+tp2)  # needs 2 GPUs: every role on both, one vLLM engine of tensor parallel 2 on the same GPUs
+  [ -d $RM ] || $PY bench/make_model.py --shape 0.5b --out $RM --reward
+  run ppo_tp2 train_ppo.py --pretrain $M --reward_pretrain $RM --bf16 --zero_stage 3 \
+    --actor_num_gpus_per_node 2 --ref_num_gpus_per_node 2 --critic_num_gpus_per_node 2 --reward_num_gpus_per_node 2 \
+    --vllm_num_engines 1 --vllm_tensor_parallel_size 2 --colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep \
+    --vllm_gpu_memory_utilization 0.3 --gradient_checkpointing --packing_samples --vllm_sync_backend $SYNC \
+    --rollout_batch_size 64 --generate_max_len 256 --train_batch_size 64 --micro_train_batch_size 8 \
+    --micro_rollout_batch_size 32 --max_steps ${STEPS:-20} --eval_steps -1 --actor_learning_rate 1e-6 --critic_learning_rate 1e-6
+  ;;
+diag)
+  timeout 300 $PY bench/vllm_gen.py --model $M > "$OUT/vllm_gen_ours.txt" 2>&1; echo "diag: exit $?"
+  grep -E "tok/s|Error" "$OUT/vllm_gen_ours.txt"
+  ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2}"
   ;;
@@ -92,11 +107,11 @@ train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5
   timeout 200 $PY bench/train_step.py --model /tmp/q15 --stages ${STAGES15:-1,2} --micros 16,32 --out "$OUT/train_1.5b.json" \
     > "$OUT/train_1.5b.txt" 2>&1; tail -5 "$OUT/train_1.5b.txt"
   ;;
-bench_hf)
-  bench bench_hf --shape 0.5b --no-vllm --micro_batch 16
+bench_hf)  # ours generates with transformers' static KV cache (compiled), TRL with its default generate
+  bench bench_hf --shape 0.5b --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
   ;;
 mfu)
   bench mfu_1.5b --shape 1.5b --vllm --no-trl --micro_batch ${MB:-16} --ours_flags "--vllm_sync_backend $SYNC"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|bench|train|bench_hf|mfu" >&2; exit 2 ;;
+*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|mfu" >&2; exit 2 ;;
 esac

@@ -1,44 +1,80 @@
-"""What vLLM's sampling options cost: tokens/s of one engine on a GRPO-shaped rollout (GPU).
+"""What vLLM's sampling options and our engine wrapper cost: tokens/s on a GRPO-shaped rollout (GPU).
 
     python bench/vllm_gen.py --model /tmp/q05
 
-8 prompts x 8 samples x 256 new tokens (fixed length), the rollout of bench/grpo_step.py, sampled
-as common.vllm_engine does (one seed per request, the sampled token's log-prob) and with each of
-those two options removed, so the table shows what reproducible per-request seeds and log-probs
-cost. Median of 3 rounds after a warm-up round.
+8 prompts x 8 samples x 256 new tokens, the rollout of bench/grpo_step.py. First a bare `vllm.LLM`
+in this process, sampled as common.vllm_engine does (one seed per request on CPU only, each sampled
+token's log-prob) and with those options removed. Then (`--ours`) the same rollout through
+`common.vllm_engine.VllmEngine.generate`: in this process, in a Ray actor as the scripts run it,
+and in a Ray actor whose engine core runs in a process of its own; the three differ only in where
+the engine lives, so the table shows what the wrapper and the Ray actor cost. Median of 3 rounds
+after a warm-up round.
 """
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import typer
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.3):
+
+def _timed(fn, rounds: int = 4) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), out
+
+
+def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.25,
+         seeds: bool = False, ours: bool = True):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    prompt_ids = [[(7 * i + j) % 500 + 5 for j in range(64)] for i in range(prompts)]
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+    variants = {"no seed + logprobs (ours on GPU)": lambda i: dict(logprobs=0), "no seed, no logprobs": lambda i: {}}
+    if seeds:
+        variants = {"seed per request + logprobs (ours on CPU)": lambda i: dict(seed=1000 + i, logprobs=0),
+                    "seed per request, no logprobs": lambda i: dict(seed=1000 + i), **variants}
     llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0, logprobs_mode="processed_logprobs")
-    reqs = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 500 + 5 for j in range(64)]) for i in range(prompts)]
-    variants = {
-        "seed per request + logprobs (ours)": lambda i: dict(seed=1000 + i, logprobs=0),
-        "no seed + logprobs": lambda i: dict(logprobs=0),
-        "seed per request, no logprobs": lambda i: dict(seed=1000 + i),
-        "no seed, no logprobs": lambda i: {},
-    }
     for name, extra in variants.items():
         params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=tokens, min_tokens=tokens, detokenize=False,
                                  **extra(i)) for i in range(prompts)]
-        times = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            llm.generate(reqs, params, use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times[1:])
-        print(f"{name:38s} {med:6.3f} s  {prompts * n * tokens / med:9,.0f} tok/s", flush=True)
+        med, _ = _timed(lambda: llm.generate(reqs, params, use_tqdm=False))
+        print(f"{'bare LLM, ' + name:52s} {med:6.3f} s  {prompts * n * tokens / med:9,.0f} tok/s", flush=True)
+    if not ours:
+        return
+    del llm
+    import ray
+
+    from common.vllm_engine import EngineSpec, VllmEngine
+
+    spec = EngineSpec(model, dtype="bfloat16", max_model_len=64 + tokens + 64, gpu_memory_utilization=gpu_util,
+                      per_request_seeds=False)
+    sampling = dict(n=n, temperature=1.0, top_p=1.0, max_new_tokens=tokens)
+
+    def report(name, gen):
+        med, out = _timed(gen)
+        made = sum(len(r) for r in out.response_ids)  # random weights may stop early: count what was made
+        print(f"{name:52s} {med:6.3f} s  {made / med:9,.0f} tok/s  ({made} tokens)", flush=True)
+
+    local = VllmEngine(spec, 0)
+    report("VllmEngine.generate, this process", lambda: local.generate(prompt_ids, sampling, 0))
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")])}})
+    for name, env in (("VllmEngine in a Ray actor (as the scripts)", None),
+                      ("... engine core in its own process", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})):
+        actor = ray.remote(VllmEngine).options(num_gpus=0.3, num_cpus=0.33).remote(spec, 1, env)
+        ray.get(actor.ready.remote())
+        report(name, lambda: ray.get(actor.generate.remote(prompt_ids, sampling, 0)))
+        ray.kill(actor)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ object store) are in `common.weight_sync`.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -55,8 +56,10 @@ class VllmEngine:
 
     def __init__(self, spec: EngineSpec, index: int, env: dict | None = None, visible_devices: list[str] | None = None):
         os.environ.update(env or {})
-        # In-process engine: starts in ~5 s instead of ~35 s, and weights reach it as tensors.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # In-process engine by default: starts in ~5 s instead of ~35 s, and weights reach it as tensors.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":  # the sync's buckets and handles are pickled to it
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves 92% of RAM
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         tp = spec.tensor_parallel_size
@@ -119,7 +122,12 @@ class VllmEngine:
         t0 = time.perf_counter()
         if transport == "ray":  # fetched here once; the workers get the tensors
             payload = ray.get(payload)
-        self.llm.collective_rpc("hybridrl_receive", args=(buckets, transport, payload))
+        args = (buckets, transport, payload)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":
+            # vLLM's own encoding to its engine-core process turns dataclasses into dicts and tensors
+            # into lists: pickle (tensors, IPC handles and all) once instead.
+            args = (pickle.dumps(args),)
+        self.llm.collective_rpc("hybridrl_receive", args=args)
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 

@@ -25,17 +25,21 @@ class WeightReceiver:
 
         self._hybridrl_group = join_group(backend, addr, port, first_rank + self.rank, world, timeout_s)
 
-    def hybridrl_receive(self, buckets: list, transport: str, payload) -> None:
+    def hybridrl_receive(self, buckets: list | bytes, transport: str = "", payload=None) -> None:
         """Take every bucket, then load them all with one `reload_weights`.
 
         `payload`: the flat tensors ("ray": fetched by the engine), {device: [IPC handle per bucket]}
         ("cuda_ipc": each worker maps the copy made by the actor rank on its own GPU), or None
         (a broadcast from the actor's rank 0).
         """
+        import pickle
+
         import torch
 
         from common import weight_sync as ws
 
+        if isinstance(buckets, bytes):  # pickled by an engine whose core runs in a process of its own
+            buckets, transport, payload = pickle.loads(buckets)
         handles = payload.get(self.hybridrl_device()) if transport == "cuda_ipc" else None
         weights = []
         for i, bucket in enumerate(buckets):
