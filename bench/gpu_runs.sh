@@ -7,6 +7,7 @@
 #   bash bench/gpu_runs.sh check      # vLLM sampling-option costs; DeepSpeed sleep memory per state (ZeRO-2, 3)
 #   bash bench/gpu_runs.sh x2         # two GPUs: actor (+ reference) on one, vLLM on the other, NCCL sync, 20 steps
 #   bash bench/gpu_runs.sh tp2        # two GPUs: the reference PPO command's shape, 1 engine x TP 2, hybrid engine
+#   bash bench/gpu_runs.sh tp2_grpo   # two GPUs: GRPO, hybrid engine, 1 engine x TP 2, 20 steps
 #   bash bench/gpu_runs.sh diag       # vLLM generation: bare, through our engine class, in a Ray actor
 #   bash bench/gpu_runs.sh bench      # bench/grpo_step.py, 0.5B, ours vs TRL, with vLLM colocated
 #   bash bench/gpu_runs.sh train      # bench/train_step.py: the training phase per ZeRO stage, micro-batch, shape
@@ -93,8 +94,14 @@ tp2)  # needs 2 GPUs: every role on both, one vLLM engine of tensor parallel 2 o
     --rollout_batch_size 64 --generate_max_len 256 --train_batch_size 64 --micro_train_batch_size 8 \
     --micro_rollout_batch_size 32 --max_steps ${STEPS:-20} --eval_steps -1 --actor_learning_rate 1e-6 --critic_learning_rate 1e-6
   ;;
+tp2_grpo)  # needs 2 GPUs: GRPO with the hybrid engine, actor and reference on both, one engine x TP 2
+  prompts
+  run grpo_tp2 train_grpo.py --pretrain $M "${TASK[@]}" "${GRPO[@]}" --zero_stage 3 --actor_num_gpus_per_node 2 \
+    --ref_num_gpus_per_node 2 --vllm_num_engines 1 --vllm_tensor_parallel_size 2 --colocate_all_models --vllm_enable_sleep \
+    --deepspeed_enable_sleep --vllm_gpu_memory_utilization 0.3 --vllm_sync_backend $SYNC --micro_train_batch_size 16
+  ;;
 diag)
-  timeout 300 $PY bench/vllm_gen.py --model $M > "$OUT/vllm_gen_ours.txt" 2>&1; echo "diag: exit $?"
+  timeout 300 $PY bench/vllm_gen.py --model $M ${DIAG_FLAGS:-} > "$OUT/vllm_gen_ours.txt" 2>&1; echo "diag: exit $?"
   grep -E "tok/s|Error" "$OUT/vllm_gen_ours.txt"
   ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)

@@ -32,7 +32,7 @@ def _timed(fn, rounds: int = 4) -> tuple[float, object]:
 
 
 def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.25,
-         seeds: bool = False, ours: bool = True):
+         seeds: bool = False, bare: bool = True, ours: bool = True):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -43,8 +43,9 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
     if seeds:
         variants = {"seed per request + logprobs (ours on CPU)": lambda i: dict(seed=1000 + i, logprobs=0),
                     "seed per request, no logprobs": lambda i: dict(seed=1000 + i), **variants}
-    llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0, logprobs_mode="processed_logprobs")
-    for name, extra in variants.items():
+    llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0,
+              logprobs_mode="processed_logprobs") if bare else None
+    for name, extra in variants.items() if bare else ():
         params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=tokens, min_tokens=tokens, detokenize=False,
                                  **extra(i)) for i in range(prompts)]
         med, _ = _timed(lambda: llm.generate(reqs, params, use_tqdm=False))
@@ -65,8 +66,9 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
         made = sum(len(r) for r in out.response_ids)  # random weights may stop early: count what was made
         print(f"{name:52s} {med:6.3f} s  {made / med:9,.0f} tok/s  ({made} tokens)", flush=True)
 
-    local = VllmEngine(spec, 0)
-    report("VllmEngine.generate, this process", lambda: local.generate(prompt_ids, sampling, 0))
+    if bare:
+        local = VllmEngine(spec, 0)
+        report("VllmEngine.generate, this process", lambda: local.generate(prompt_ids, sampling, 0))
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")])}})
     for name, env in (("VllmEngine in a Ray actor (as the scripts)", None),
