@@ -255,16 +255,19 @@ def train(a: dict, plan) -> None:
     roles = {r.role: r for r in plan.roles}
     transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
                                  colocated=plan.vllm_group == roles["actor"].group) if a["vllm_num_engines"] else None
+    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
+                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
+                             micro_train_batch_size=a["micro_train_batch_size"],
+                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"])
+    for role in ("actor", "critic"):  # here, not after the models have loaded
+        if role in roles:
+            ds.grad_accumulation(settings, roles[role].workers)
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
     # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
     # time-limit warning) while the models load still ends in a checkpoint after the first step.
     preempt = Preemption()
     check_fits(plan, resources)
     pgs = create_placement_groups(plan)
-    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
-                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"],
-                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"])
     optim_steps = a["rollout_batch_size"] * n // a["train_batch_size"] * a["max_epochs"]
     optim = dict(lr=a["actor_learning_rate"], total_steps=int(total_steps * optim_steps), warmup_ratio=a["lr_warmup_ratio"],
                  scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])

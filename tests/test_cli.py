@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,3 +38,16 @@ def test_local_rank_is_accepted_and_bad_flags_say_what_to_change(tmp_path):
     assert p.returncode == 2
     assert "--zero_stage 7" in p.stderr and "stages 0, 1, 2 and 3" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("name,role", [("train_grpo.py", "actor"), ("train_ppo.py", "critic")])
+def test_batch_that_does_not_split_over_the_ranks_stops_before_the_models_load(tmp_path, name, role):
+    """64 samples cannot be split into micro-batches of 64 on each of 2 ranks: said at start, in
+    seconds, not after Ray and the models have loaded (it used to surface from a worker, ~40 s in)."""
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    p = script(name, "--save_path", str(out), f"--{role}_num_gpus_per_node", "2", "--rollout_batch_size", "64",
+               "--train_batch_size", "64", "--micro_train_batch_size", "64", check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--micro_train_batch_size 64 x world size 2 = 128" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not out.exists() and time.perf_counter() - t0 < 30
