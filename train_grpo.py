@@ -253,9 +253,7 @@ def train(a: dict, plan) -> None:
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"],
                              train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"])
-    for role in ("actor", "critic"):  # here, not after the models have loaded
-        if role in roles:
-            ds.grad_accumulation(settings, roles[role].workers)
+    ds.grad_accumulation(settings, roles["actor"].workers)  # refused here, not after the models have loaded
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
     # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
     # time-limit warning) while the models load still ends in a checkpoint after the first step.
