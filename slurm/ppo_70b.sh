@@ -13,7 +13,7 @@
 #   DRY_RUN=1 bash slurm/ppo_70b.sh                               # print the GPU plan; no Ray, no GPUs
 #
 # Ray runs across the allocation (slurm/ray_cluster.sh); each role's placement group packs whole
-# nodes (16 one-GPU bundles fill 2 nodes of 8). Requeued (node failure, preemption,
+# nodes (16 one-GPU bundles fill 2 nodes of 8; each vLLM engine holds one bundle of its 4 GPUs). Requeued (node failure, preemption,
 # `scontrol requeue`), the job starts a new Ray cluster and resumes from the newest checkpoint.
 #
 # Time limit: an hour before it, Slurm sends USR1 to this shell alone (--signal=B:USR1@3600: the
