@@ -269,11 +269,8 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
 PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]
 
 
+# (the reference commands' colocated tensor-parallel layout runs in test_rl.py)
 @pytest.mark.parametrize("name,engines,flags", [
-    # the reference commands' shape, scaled down: the engine's two tensor-parallel workers share the
-    # two actor ranks' bundles (--colocate_all_models), and CPU cores
-    ("train_grpo.py", 1, ["--rollout_batch_size", "8", "--micro_train_batch_size", "16", "--actor_num_gpus_per_node", "2",
-                          "--ref_num_gpus_per_node", "2", "--vllm_tensor_parallel_size", "2", "--colocate_all_models"]),
     # a tensor-parallel engine in a group of its own (one bundle of two cores)
     ("train_ppo.py", 1, PPO_SMALL + ["--vllm_tensor_parallel_size", "2"]),
     # the other CPU transport end to end; IS weights taken in the training forward (one step per rollout)
