@@ -116,7 +116,8 @@ class VllmEngine:
         self.llm.collective_rpc("hybridrl_join", args=(backend, addr, port, first_rank, world, timeout_s))
 
     def receive_weights(self, buckets: list, transport: str, payload) -> float:
-        """Every worker takes every bucket, then loads them in one reload; returns the seconds spent."""
+        """Every worker takes every bucket, then loads them in one reload; returns the seconds the
+        engine spent (for a broadcast, receiving included: the workers receive and load in one call)."""
         import ray
 
         t0 = time.perf_counter()
