@@ -202,7 +202,7 @@ def train(a: dict, plan) -> None:
     from common.ray_groups import RoleGroup, create_placement_groups, init_ray
     from common.rewards import RemoteReward, load_reward_func, score_rollout, score_with_function
     from common.resources import check_fits, plan_rows
-    from common.rollout import Samples, generate_on_ranks, make_batch, split_batch
+    from common.rollout import Samples, generate_on_ranks, generation_note, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
     from common.vllm_engine import EngineSpec, generate_balanced, start_engines
@@ -342,9 +342,9 @@ def train(a: dict, plan) -> None:
     from common.resources import plan_summary
 
     log.info(plan_summary(plan))
-    for info in infos:
-        for note in info[0]["notes"]:
-            log.warn_once(note, note)
+    gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
+    for note in [n for info in infos for n in info[0]["notes"]] + ([gen_note] if gen_note else []):
+        log.warn_once(note, note)
 
     sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
                     micro_batch=max(1, a["micro_rollout_batch_size"] // n))

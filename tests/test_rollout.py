@@ -28,3 +28,16 @@ def test_static_kv_cache_generates_what_the_dynamic_cache_does():
     torch.manual_seed(0)
     sampled = hf_generate(model, prompts, static_cache=True, **dict(kw, n=2, greedy=False))
     assert len(sampled.response_ids) == 12 and all(1 <= len(r) <= 10 for r in sampled.response_ids)
+
+
+def test_generation_note_points_gpu_users_at_the_fast_generation_paths():
+    from common.rollout import generation_note
+
+    note = generation_note(use_gpu=True, vllm_engines=0, static_cache=False, zero_stage=2)
+    assert "--static_kv_cache" in note and "--vllm_num_engines" in note
+    # ZeRO-3 shards the policy, which the static cache refuses: only vLLM is suggested
+    note3 = generation_note(use_gpu=True, vllm_engines=0, static_cache=False, zero_stage=3)
+    assert "--static_kv_cache" not in note3 and "--vllm_num_engines" in note3
+    assert generation_note(use_gpu=True, vllm_engines=1, static_cache=False, zero_stage=2) is None
+    assert generation_note(use_gpu=True, vllm_engines=0, static_cache=True, zero_stage=2) is None
+    assert generation_note(use_gpu=False, vllm_engines=0, static_cache=False, zero_stage=2) is None  # CPU: no compile win
