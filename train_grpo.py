@@ -205,7 +205,7 @@ def train(a: dict, plan) -> None:
     from common.rollout import Samples, generate_on_ranks, generation_note, make_batch, split_batch
     from common.tasks import prompt_rows
     from common.tasks import reward_func as builtin_reward
-    from common.vllm_engine import EngineSpec, generate_balanced, start_engines
+    from common.vllm_engine import generate_balanced, start_script_engines
     from common.weight_sync import WeightSync, choose_transport
     from common.workers import ModelSpec, ModelWorker
 
@@ -279,20 +279,8 @@ def train(a: dict, plan) -> None:
         pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings, **common_spec)))
     from common.ray_groups import get
 
-    engines = []
-    if a["vllm_num_engines"] > 0:  # started while the models load: both take a while
-        from transformers import AutoConfig
-
-        max_len = min(a["prompt_max_len"] + a["generate_max_len"], AutoConfig.from_pretrained(pretrain).max_position_embeddings)
-        vspec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
-                           max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
-                           enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
-                           enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
-                           tensor_parallel_size=a["vllm_tensor_parallel_size"])
-        shared = plan.vllm_group == roles["actor"].group
-        engines = start_engines(a["vllm_num_engines"], vspec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,
-                                roles["actor"].cpu_fraction if shared else a["vllm_tensor_parallel_size"],
-                                shared_with=groups["actor"] if shared else None)
+    # started while the models load: both take a while
+    engines = start_script_engines(a, plan, pgs, groups["actor"], pretrain)
     infos = [get(p, 1800, "model setup") for p in pending]
     actor = groups["actor"]
     sync = WeightSync(actor, engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
@@ -373,8 +361,9 @@ def train(a: dict, plan) -> None:
         mask = micro["action_mask"]
         old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
         is_weights, stats = micro.get("is_weights"), {}
-        if "gen_logprobs" in micro:  # the engine's log-probs meet this very forward's (see phase 3)
-            stats, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, is_threshold)
+        if "gen_logprobs" in micro:  # the engine's log-probs meet this very forward's (see phase 3; rank 0's share)
+            gap, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, is_threshold)
+            stats = {f"rollout/{k}": v for k, v in gap.items()}
         loss, clip_frac, approx_kl = policy_loss(out["logprobs"], old, micro["advantages"], mask,
                                                  eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
                                                  is_weights=is_weights)
@@ -488,11 +477,10 @@ def train(a: dict, plan) -> None:
         metrics["time/train_s"] = time.perf_counter() - t0
         skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
         for k in history[0]:
-            metrics[f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"] = sum(h[k] for h in history) / len(history)
+            name = k if "/" in k else f"time/actor_{k}" if k.endswith("_s") else f"train/{k}"
+            metrics[name] = sum(h[k] for h in history) / len(history)
         if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
             metrics["train/kl"] = metrics["train/kl_loss"]
-        for k in [k for k in ("logprob_diff", "prob_ratio", "is_weight_mean") if f"train/{k}" in metrics]:
-            metrics[f"rollout/{k}"] = metrics.pop(f"train/{k}")  # measured in the training forward (rank 0's share)
         if metrics.get("rollout/logprob_diff", 0.0) > a["logprob_diff_warn"]:
             log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
                           f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")

@@ -57,8 +57,8 @@ class VllmEngine:
     def __init__(self, spec: EngineSpec, index: int, env: dict | None = None, visible_devices: list[str] | None = None):
         os.environ.update(env or {})
         # In-process engine by default: starts in ~5 s instead of ~35 s, and weights reach it as tensors.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":  # the sync's buckets and handles are pickled to it
+        self.core_process = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "1"
+        if self.core_process:  # the sync's buckets and handles are pickled to it
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves 92% of RAM
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -124,7 +124,7 @@ class VllmEngine:
         if transport == "ray":  # fetched here once; the workers get the tensors
             payload = ray.get(payload)
         args = (buckets, transport, payload)
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":
+        if self.core_process:
             # vLLM's own encoding to its engine-core process turns dataclasses into dicts and tensors
             # into lists: pickle (tensors, IPC handles and all) once instead.
             args = (pickle.dumps(args),)
@@ -170,6 +170,26 @@ def start_engines(num: int, spec: EngineSpec, pg, gpu_fraction: float, cpu_fract
                        .remote(spec, i, env, visible))
     get([e.ready.remote() for e in engines], timeout_s, "vLLM engine start")
     return engines
+
+
+def start_script_engines(a: dict, plan, pgs: dict, actor_group, pretrain: str) -> list:
+    """The RL scripts' engines from their shared flags (--vllm_num_engines, --vllm_tensor_parallel_size,
+    --vllm_gpu_memory_utilization, ...), placed as `plan` says: on the actor's GPUs or on their own."""
+    if not a["vllm_num_engines"]:
+        return []
+    from transformers import AutoConfig
+
+    tp = a["vllm_tensor_parallel_size"]
+    max_len = min(a["prompt_max_len"] + a["generate_max_len"], AutoConfig.from_pretrained(pretrain).max_position_embeddings)
+    spec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
+                      max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
+                      enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
+                      enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
+                      tensor_parallel_size=tp)
+    actor = plan.role("actor")
+    shared = plan.vllm_group == actor.group
+    return start_engines(a["vllm_num_engines"], spec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,
+                         actor.cpu_fraction if shared else tp, shared_with=actor_group if shared else None)
 
 
 def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, seed: int, timeout_s: float):
