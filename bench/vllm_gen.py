@@ -31,28 +31,106 @@ def _timed(fn, rounds: int = 4) -> tuple[float, object]:
     return statistics.median(times[1:]), out
 
 
+def _reload_own_weights(llm, model: str) -> float:
+    """Push the model's own weights through the scripts' sync path (common.vllm_worker), as after a
+    training step; returns seconds. Shows whether generation slows down after a weight reload."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import weight_sync as ws
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
+    named = list(hf.named_parameters())
+    buckets = ws.plan_buckets([(n, tuple(p.shape)) for n, p in named], 256, torch.bfloat16)
+    params = dict(named)
+    flats = [ws.pack([params[n] for n in b.names], torch.bfloat16, "cuda") for b in buckets]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.collective_rpc("hybridrl_receive", args=(buckets, "ray", flats))  # "ray": the tensors themselves
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+def _profile(fn, top: int = 25) -> None:
+    """Where the host's time goes in one call (cProfile; its own overhead inflates the total)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    print(buf.getvalue()[-6000:], flush=True)
+
+
+def _load_paths(model: str, prompt_ids, n: int, tokens: int, gpu_util: float) -> None:
+    """Generation speed before and after weight pushes through each load path of common.vllm_worker."""
+    from common.vllm_engine import EngineSpec, VllmEngine
+
+    spec = EngineSpec(model, dtype="bfloat16", max_model_len=64 + tokens + 64, gpu_memory_utilization=gpu_util,
+                      per_request_seeds=False)
+    eng = VllmEngine(spec, 0)
+    sampling = dict(n=n, temperature=1.0, top_p=1.0, max_new_tokens=tokens, logprobs=False)
+    gen = lambda: eng.generate(prompt_ids, sampling, 0)  # noqa: E731
+    print(f"{'VllmEngine, no logprobs, fresh':52s} {_timed(gen)[0]:6.3f} s", flush=True)
+    for path in ("direct", "reload", "direct"):
+        os.environ["HYBRIDRL_VLLM_LOAD"] = path
+        took = _reload_own_weights(eng.llm, model)
+        print(f"{'... after a push, load path ' + path:52s} {_timed(gen)[0]:6.3f} s   (push {took:.3f} s)", flush=True)
+
+
 def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.25,
-         seeds: bool = False, bare: bool = True, ours: bool = True):
+         seeds: bool = False, bare: bool = True, ours: bool = True, profile: bool = False, reload: bool = True,
+         sync_sched: bool = False, load_paths: bool = False):
+    import gc
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompt_ids = [[(7 * i + j) % 500 + 5 for j in range(64)] for i in range(prompts)]
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-    variants = {"no seed + logprobs (ours on GPU)": lambda i: dict(logprobs=0), "no seed, no logprobs": lambda i: {}}
+    variants = {"logprobs (ours on GPU)": lambda i: dict(logprobs=0),
+                "logprobs, flat_logprobs": lambda i: dict(logprobs=0, flat_logprobs=True),
+                "no logprobs": lambda i: {}}
     if seeds:
         variants = {"seed per request + logprobs (ours on CPU)": lambda i: dict(seed=1000 + i, logprobs=0),
                     "seed per request, no logprobs": lambda i: dict(seed=1000 + i), **variants}
-    llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0,
-              logprobs_mode="processed_logprobs") if bare else None
-    for name, extra in variants.items() if bare else ():
-        params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=tokens, min_tokens=tokens, detokenize=False,
-                                 **extra(i)) for i in range(prompts)]
-        med, _ = _timed(lambda: llm.generate(reqs, params, use_tqdm=False))
+
+    if load_paths:
+        _load_paths(model, prompt_ids, n, tokens, gpu_util)
+        return
+
+    def params_of(extra):
+        return [SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=tokens, min_tokens=tokens, detokenize=False,
+                               **extra(i)) for i in range(prompts)]
+
+    def line(name, med):
         print(f"{'bare LLM, ' + name:52s} {med:6.3f} s  {prompts * n * tokens / med:9,.0f} tok/s", flush=True)
+
+    llms = {"async scheduling (default)": {}}
+    if sync_sched:
+        llms["async scheduling off"] = {"async_scheduling": False}
+    for label, kw in llms.items() if bare else ():
+        llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0,
+                  logprobs_mode="processed_logprobs", worker_extension_cls="common.vllm_worker.WeightReceiver", **kw)
+        print(f"-- {label}", flush=True)
+        for name, extra in variants.items():
+            params = params_of(extra)
+            line(name, _timed(lambda: llm.generate(reqs, params, use_tqdm=False))[0])
+        ours_params = params_of(variants["logprobs (ours on GPU)"])
+        if reload:
+            print(f"   weight reload (scripts' path): {_reload_own_weights(llm, model):.3f} s", flush=True)
+            line("logprobs, after a weight reload", _timed(lambda: llm.generate(reqs, ours_params, use_tqdm=False))[0])
+        if profile:
+            _profile(lambda: llm.generate(reqs, ours_params, use_tqdm=False))
+        llm = None  # noqa: F841  (frees the engine before the next)
+        gc.collect()
     if not ours:
         return
-    del llm
     import ray
 
     from common.vllm_engine import EngineSpec, VllmEngine
