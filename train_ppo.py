@@ -42,6 +42,8 @@ def main(
     skip_bad_rewards: o.SkipBadRewards = False,
     reward_timeout: o.RewardTimeout = 60.0,
     bf16: o.BF16 = False,
+    torch_autocast: o.TorchAutocast = False,
+    torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
     prompt_data: o.PromptData = None,
@@ -111,6 +113,7 @@ def main(
     vllm_sync_bucket_mb: o.VllmSyncBucketMB = 256.0,
     vllm_sync_timeout: o.VllmSyncTimeout = 300.0,
     vllm_sleep_level: o.VllmSleepLevel = 2,
+    logprob_diff_steps: o.LogprobDiffSteps = 10,
     logprob_diff_warn: o.LogprobWarn = 0.05,
     enable_vllm_is_correction: o.VllmISCorrection = False,
     vllm_is_truncated_threshold: o.VllmISThreshold = 2.0,
@@ -146,33 +149,9 @@ def main(
 
 
 def check_options(a: dict) -> None:
-    est, n = a["advantage_estimator"], a["n_samples_per_prompt"]
+    est = a["advantage_estimator"]
     require(est in ESTIMATORS, f"--advantage_estimator {est}: choose one of {', '.join(ESTIMATORS)}")
-    require(est not in GROUP_ESTIMATORS or n > 1,
-            f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt 2 or more")
-    require(a["kl_estimator"] in ("k1", "k2", "k3"), f"--kl_estimator {a['kl_estimator']}: choose k1, k2 or k3")
-    require(a["zero_stage"] in (0, 1, 2, 3), f"--zero_stage {a['zero_stage']}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
-    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url") if a[k]]
-    require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
-    require(sources or a["prompt_data"] is None,
-            "--prompt_data needs a reward: give --reward_pretrain, --reward_func or --remote_rm_url")
-    samples = a["rollout_batch_size"] * n
-    require(samples % a["train_batch_size"] == 0,
-            f"--rollout_batch_size {a['rollout_batch_size']} x --n_samples_per_prompt {n} = {samples} samples must be "
-            f"a multiple of --train_batch_size {a['train_batch_size']}")
-    require(a["train_batch_size"] % a["micro_train_batch_size"] == 0,
-            f"--train_batch_size {a['train_batch_size']} must be a multiple of --micro_train_batch_size {a['micro_train_batch_size']}")
-    require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
-    require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-            f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
-    require(not (a["static_kv_cache"] and a["vllm_num_engines"]),
-            "--static_kv_cache is for the policy's own generation; with --vllm_num_engines vLLM generates: drop one")
-    require(not (a["static_kv_cache"] and a["zero_stage"] == 3),
-            "--static_kv_cache needs the whole policy on each rank: use --zero_stage 0, 1 or 2, or drop --static_kv_cache")
-    require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
-            "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
-    require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
-            "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
+    o.check_rl(a, GROUP_ESTIMATORS)
 
 
 def resource_plan(a: dict):
@@ -258,7 +237,8 @@ def train(a: dict, plan) -> None:
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"],
-                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"])
+                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"],
+                             autocast=a["torch_autocast"], compile=a["torch_compile"])
     for role in ("actor", "critic"):  # here, not after the models have loaded
         if role in roles:
             ds.grad_accumulation(settings, roles[role].workers)
@@ -349,11 +329,12 @@ def train(a: dict, plan) -> None:
     sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
                     micro_batch=max(1, a["micro_rollout_batch_size"] // n))
 
-    def generate(batch_prompts: list, sampling: dict, seed: int) -> Samples:
-        """Rollouts from the vLLM engines, or from the policy itself split over the actor's ranks."""
+    def generate(batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False) -> Samples:
+        """Rollouts from the vLLM engines (and their log-probs if asked), or from the actor's ranks."""
+        ids = [p.prompt_ids for p in batch_prompts]
         if engines:
-            return generate_balanced(engines, [p.prompt_ids for p in batch_prompts], sampling, seed, 1800)
-        return generate_on_ranks(actor, [p.prompt_ids for p in batch_prompts], sampling, seed)
+            return generate_balanced(engines, ids, dict(sampling, logprobs=logprobs), seed, 1800)
+        return generate_on_ranks(actor, ids, sampling, seed)
 
     def score(batch_prompts: list, samples: Samples, batch: dict) -> tuple[torch.Tensor, list[int]]:
         """Scores [N] and the indices of samples whose reward is usable."""
@@ -409,8 +390,11 @@ def train(a: dict, plan) -> None:
 
         # 1. generate
         t0 = time.perf_counter()
-        samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009)
+        check = a["enable_vllm_is_correction"] or step % a["logprob_diff_steps"] == 0  # the engines' log-probs
+        samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009, logprobs=check)
         metrics["time/generate_s"] = time.perf_counter() - t0
+        if "engine_s" in samples.extra:  # inside vLLM; the rest is Ray moving prompts and samples
+            metrics["time/engine_generate_s"] = samples.extra["engine_s"]
 
         # The hybrid engine's order frees memory for each phase: vLLM sleeps, training states come back.
         vllm_sleep("sleep", a["vllm_sleep_level"])

@@ -32,6 +32,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 def main(
     pretrain: o.Pretrain = None,
     bf16: o.BF16 = False,
+    torch_autocast: o.TorchAutocast = False,
+    torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
     dataset: o.Dataset = None,
@@ -75,6 +77,7 @@ def main(
     with exit_on_user_error():
         require(loss in ("sigmoid", "logexp"), f"--loss {loss}: choose sigmoid or logexp")
         require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
+        o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
                 f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
         train(options)
@@ -97,7 +100,8 @@ def train(a: dict) -> None:
     attn, attn_note = attn_implementation(a["flash_attn"])
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"])
+                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
+                             autocast=a["torch_autocast"], compile=a["torch_compile"])
     accum = ds.grad_accumulation(settings, dist.world_size)
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given

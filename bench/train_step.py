@@ -1,13 +1,17 @@
 """The training phase alone: one GRPO optimizer step through the actor's own code path, per ZeRO stage
 and micro-batch size, with its MFU (GPU).
 
-    python bench/train_step.py --model /tmp/q05 --stages 0,1,2 --micros 16,64
+    python bench/train_step.py --model /tmp/q05 --stages 0,1,2 --micros 16,64 --modes master,autocast [--profile]
 
 Runs `common.workers.ModelWorker.train` (the code the scripts run inside their Ray actor) in this
 process on one GPU: 64 sequences of 64 prompt + 256 response tokens, a clipped policy loss with a KL
-term, bf16 with fp32 master weights, DeepSpeed's default Adam. Prints seconds per optimizer step
-(median of 3 after 2 warm-up steps), trained tokens/s and MFU = 6 N tokens / s / peak, against 989
-TFLOP/s (H200 datasheet, dense bf16) and 790 (a matmul measured there).
+term, DeepSpeed's default Adam, in two bf16 modes: `master` (bf16 weights with an fp32 master copy,
+DeepSpeed's bf16 section) and `autocast` (fp32 weights, forward under torch.autocast: --torch_autocast),
+each also with `+compile` (every transformer block under torch.compile: --torch_compile).
+Prints seconds per optimizer step (median of 3 after 2 warm-up steps), trained tokens/s and
+MFU = 6 N tokens / s / peak, against 989 TFLOP/s (H200 datasheet, dense bf16) and 790 (a matmul
+measured there). `--profile` adds, per row, the time in forward + loss, backward and the optimizer
+step, and the kernels that took the most GPU time.
 """
 from __future__ import annotations
 
@@ -32,8 +36,28 @@ def grpo_loss(out, micro):
     return loss + 0.04 * kl, {"loss": loss.item()}
 
 
-def main(model: str = "/tmp/q05", stages: str = "0,1,2", micros: str = "16,64", samples: int = 64,
-         prompt_len: int = 64, response_len: int = 256, out: str = ""):
+def _phases(w, batch, micro: int, sync) -> dict:
+    """Seconds in forward + loss, backward and optimizer step for one optimizer step (synchronised)."""
+    import time
+
+    t = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0}
+    micros = [m for _, m in w._micro_batches(batch, micro)]
+    for j, m in enumerate(micros):
+        sync(); t0 = time.perf_counter()
+        lp, _ = w._token_logprobs(m)
+        loss, _ = grpo_loss({"logprobs": lp}, m)
+        sync(); t1 = time.perf_counter()
+        w.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
+        w.model.backward(loss)
+        sync(); t2 = time.perf_counter()
+        w.model.step()
+        sync(); t3 = time.perf_counter()
+        t["forward_s"] += t1 - t0; t["backward_s"] += t2 - t1; t["step_s"] += t3 - t2
+    return t
+
+
+def main(model: str = "/tmp/q05", stages: str = "0,1,2", micros: str = "16,64", modes: str = "master",
+         samples: int = 64, prompt_len: int = 64, response_len: int = 256, profile: bool = False, out: str = ""):
     import torch
 
     from common import ds
@@ -51,36 +75,48 @@ def main(model: str = "/tmp/q05", stages: str = "0,1,2", micros: str = "16,64", 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
-    for stage in [int(s) for s in stages.split(",")]:
-        for micro in [int(m) for m in micros.split(",")]:
-            settings = ds.DSSettings(zero_stage=stage, bf16=True, micro_train_batch_size=micro, train_batch_size=samples)
-            w = ModelWorker.__new__(ModelWorker)  # the Ray actor's class, used in-process
-            w.role = "actor"
-            try:
-                info = w.setup(ModelSpec(model, "causal_lm", True, settings, bf16=True,
-                                         optim=dict(lr=1e-6, total_steps=100, warmup_ratio=0.0, scheduler="constant")))
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                times = []
-                for _ in range(5):
-                    sync()
-                    t0 = time.perf_counter()
-                    w.train(batch, grpo_loss, output="logprobs", micro_batch=micro, steps=1, entropy=False)
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                s = statistics.median(times[2:])
-                n = info["params"]
-                row = {"zero_stage": stage, "micro": micro, "step_s": s, "tok_s": tokens / s,
-                       "mfu_989": 6 * n * tokens / s / 989e12, "mfu_790": 6 * n * tokens / s / 790e12,
-                       "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "params": n}
-            except Exception as e:  # e.g. out of memory at a large micro-batch: report, go on
-                row = {"zero_stage": stage, "micro": micro, "error": f"{type(e).__name__}: {e}"[:300]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            w.model = None
-            gc.collect()
+    configs = [(mode, int(s), int(m)) for mode in modes.split(",") for s in stages.split(",") for m in micros.split(",")]
+    for mode, stage, micro in configs:
+        settings = ds.DSSettings(zero_stage=stage, bf16=True, micro_train_batch_size=micro, train_batch_size=samples,
+                                 autocast="autocast" in mode, compile="compile" in mode)
+        w = ModelWorker.__new__(ModelWorker)  # the Ray actor's class, used in-process
+        w.role = "actor"
+        try:
+            info = w.setup(ModelSpec(model, "causal_lm", True, settings, bf16=True,
+                                     optim=dict(lr=1e-6, total_steps=100, warmup_ratio=0.0, scheduler="constant")))
             if cuda:
-                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(5):
+                sync()
+                t0 = time.perf_counter()
+                w.train(batch, grpo_loss, output="logprobs", micro_batch=micro, steps=1, entropy=False)
+                sync()
+                times.append(time.perf_counter() - t0)
+            s = statistics.median(times[2:])
+            n = info["params"]
+            row = {"mode": mode, "zero_stage": stage, "micro": micro, "step_s": s, "tok_s": tokens / s,
+                   "mfu_989": 6 * n * tokens / s / 989e12, "mfu_790": 6 * n * tokens / s / 790e12,
+                   "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "params": n}
+            if profile:
+                row["phases"] = _phases(w, batch, micro, sync)
+                if cuda:
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as prof
+
+                    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                        w.train(batch, grpo_loss, output="logprobs", micro_batch=micro, steps=1)
+                        sync()
+                    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60),
+                          flush=True)
+        except Exception as e:  # e.g. out of memory at a large micro-batch: report, go on
+            row = {"mode": mode, "zero_stage": stage, "micro": micro, "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        w.model = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     if out:
         with open(out, "w") as f:
             json.dump({"model": model, "tokens_per_step": tokens, "rows": rows}, f, indent=1)

@@ -38,6 +38,11 @@ class DSSettings:
     micro_train_batch_size: int = 1
     train_batch_size: int = 8
     fused_adam: bool = False  # DeepSpeed's own Adam: required by offload_states (sleep) under ZeRO-3
+    # With bf16: keep the weights in fp32 and run the forward under torch.autocast (DeepSpeed's
+    # torch_autocast) instead of bf16 weights with an fp32 master copy. One copy of the weights fewer,
+    # no flat master/gradient copies, norms and softmax in fp32: faster on one GPU (docs/performance.md).
+    autocast: bool = False
+    compile: bool = False  # torch.compile each transformer block (common.models.compile_layers)
 
 
 def free_port() -> int:
@@ -138,11 +143,13 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
         "train_batch_size": s.train_batch_size,
         "gradient_clipping": s.max_norm if s.max_norm > 0 else 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        "bf16": {"enabled": dtype == torch.bfloat16 and not s.autocast},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # our logger prints; keep DeepSpeed's own step lines out of the log
         "wall_clock_breakdown": False,
     }
+    if s.autocast and dtype == torch.bfloat16:
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return cfg
 
 
@@ -206,6 +213,10 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
 
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if s.compile:
+        from common.models import compile_layers
+
+        compile_layers(model)
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -250,6 +261,10 @@ def update_skipped(engine, *, allow: bool, who: str, fix: str) -> bool:
 def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):
     """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device."""
     model.eval().requires_grad_(False)
+    if s.compile:
+        from common.models import compile_layers
+
+        compile_layers(model)
     if s.zero_stage != 3:
         return model.to(device=device, dtype=dtype)
     import deepspeed

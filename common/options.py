@@ -30,6 +30,8 @@ RewardPretrain = Annotated[Optional[str], opt("reward_pretrain", "Reward model f
 CriticPretrain = Annotated[Optional[str], opt("critic_pretrain", "Critic initialisation (default: the reward model, else --pretrain).", MODEL)]
 RefPretrain = Annotated[Optional[str], opt("ref_pretrain", "Reference model (default: --pretrain).", MODEL)]
 BF16 = Annotated[bool, flag("bf16", "bf16 weights and compute with fp32 master weights (fp32 on a CPU without native bf16, said once).", MODEL)]
+TorchAutocast = Annotated[bool, flag("torch_autocast", "With --bf16: fp32 weights, forward under torch.autocast (DeepSpeed's torch_autocast, as HF Trainer does) instead of bf16 weights plus an fp32 master copy; less memory, faster on one GPU.", MODEL)]
+TorchCompile = Annotated[bool, flag("torch_compile", "torch.compile each transformer block of the trained and frozen models (compiled once, seconds); not with --zero_stage 3.", MODEL)]
 FlashAttn = Annotated[bool, flag("flash_attn", "Use flash-attention 2 where installed (otherwise PyTorch SDPA, said once).", MODEL)]
 GradCkpt = Annotated[bool, flag("gradient_checkpointing", "Recompute activations in the backward pass to save memory.", MODEL)]
 
@@ -148,7 +150,53 @@ StaticKVCache = Annotated[bool, flag("static_kv_cache", "Without vLLM: generate 
 EnforceEager = Annotated[bool, flag("enforce_eager", "Disable CUDA graphs in vLLM.", ROLLOUT)]
 VllmSyncBucketMB = Annotated[float, opt("vllm_sync_bucket_mb", "Weight sync bucket size (MB): one transfer per bucket, not per tensor.", ROLLOUT, min=0.001)]
 VllmSyncTimeout = Annotated[float, opt("vllm_sync_timeout", "Seconds a weight sync may take before the run stops naming the engine.", ROLLOUT, min=1.0)]
+LogprobDiffSteps = Annotated[int, opt("logprob_diff_steps", "Every N steps vLLM also returns each sampled token's log-prob for rollout/logprob_diff (do the engines hold the trainer's weights?); 1 = every step. Always with --enable_vllm_is_correction, which needs them. They cost ~25% of vLLM's decode time on a 0.5B model.", ROLLOUT, min=1)]
 LogprobWarn = Annotated[float, opt("logprob_diff_warn", "Warn when the mean |trainer - vLLM| log-prob of sampled tokens exceeds this.", ROLLOUT, min=0.0)]
 VllmISCorrection = Annotated[bool, flag("enable_vllm_is_correction", "Truncated importance sampling for the vLLM-vs-trainer log-prob gap.", ALGO)]
 VllmISThreshold = Annotated[float, opt("vllm_is_truncated_threshold", "Upper bound of the importance weights.", ALGO, min=1.0)]
 VllmSleepLevel = Annotated[int, opt("vllm_sleep_level", "vLLM sleep level: 1 keeps weights in CPU memory, 2 drops them (they are re-synced anyway).", ROLLOUT, min=1, max=2)]
+
+
+def check_precision(a: dict) -> None:
+    """The DeepSpeed precision and compile flags that cannot go together (a script's parsed options)."""
+    from common.errors import require
+
+    require(a["bf16"] or not a["torch_autocast"], "--torch_autocast is a way to run --bf16: add --bf16 or drop it")
+    require(not (a["torch_autocast"] and a.get("deepspeed_enable_sleep")),
+            "--deepspeed_enable_sleep offloads the states of DeepSpeed's bf16 mode; with --torch_autocast it is not "
+            "supported yet: drop one of them")
+    require(not (a["torch_compile"] and a["zero_stage"] == 3), "--torch_compile: ZeRO-3 gathers each layer's weights "
+            "inside the compiled blocks; use --zero_stage 0, 1 or 2, or drop --torch_compile")
+
+
+def check_rl(a: dict, group_estimators: tuple) -> None:
+    """The option checks train_ppo.py and train_grpo.py share (each checks its own estimators first)."""
+    from common.errors import require
+
+    est, n = a["advantage_estimator"], a["n_samples_per_prompt"]
+    require(est not in group_estimators or n > 1,
+            f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt 2 or more")
+    require(a["kl_estimator"] in ("k1", "k2", "k3"), f"--kl_estimator {a['kl_estimator']}: choose k1, k2 or k3")
+    require(a["zero_stage"] in (0, 1, 2, 3), f"--zero_stage {a['zero_stage']}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
+    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url") if a[k]]
+    require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
+    require(sources or a["prompt_data"] is None,
+            "--prompt_data needs a reward: give --reward_pretrain, --reward_func or --remote_rm_url")
+    samples = a["rollout_batch_size"] * n
+    require(samples % a["train_batch_size"] == 0,
+            f"--rollout_batch_size {a['rollout_batch_size']} x --n_samples_per_prompt {n} = {samples} samples must be "
+            f"a multiple of --train_batch_size {a['train_batch_size']}")
+    require(a["train_batch_size"] % a["micro_train_batch_size"] == 0,
+            f"--train_batch_size {a['train_batch_size']} must be a multiple of --micro_train_batch_size {a['micro_train_batch_size']}")
+    require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
+    require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+            f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
+    require(not (a["static_kv_cache"] and a["vllm_num_engines"]),
+            "--static_kv_cache is for the policy's own generation; with --vllm_num_engines vLLM generates: drop one")
+    require(not (a["static_kv_cache"] and a["zero_stage"] == 3),
+            "--static_kv_cache needs the whole policy on each rank: use --zero_stage 0, 1 or 2, or drop --static_kv_cache")
+    check_precision(a)
+    require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
+            "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
+    require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
+            "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")

@@ -75,14 +75,15 @@ class ModelWorker(BaseWorker):
 
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1])."""
-        from common.losses import token_entropy, token_logprobs
+        from common.losses import token_stats
 
         inputs, packed = self._inputs(micro)
-        logits = self.model(**inputs).logits[:, :-1]
-        if self.spec.temperature != 1.0:
-            logits = logits / self.spec.temperature
-        lp = token_logprobs(logits, inputs["input_ids"][:, 1:])
-        ent = token_entropy(logits) if entropy else None
+        logits = self.model(**inputs).logits
+        # Every position against the next token, the last against an arbitrary one, dropped after:
+        # the logits stay one contiguous tensor (a [:, :-1] view would cost a copy of them).
+        ids = inputs["input_ids"]
+        lp, ent = token_stats(logits, torch.roll(ids, -1, dims=1), self.spec.temperature, entropy)
+        lp, ent = lp[:, :-1], (ent[:, :-1] if entropy else None)
         if packed is not None:
             lp, ent = packed.unpack_next_token(lp), (packed.unpack_next_token(ent) if entropy else None)
         return lp, ent
@@ -138,8 +139,11 @@ class ModelWorker(BaseWorker):
         self.model.eval()
         module = getattr(self.model, "module", self.model)
         synced = self.spec.ds.zero_stage == 3 and self.dist.world_size > 1  # all ranks step together under ZeRO-3
-        return hf_generate(module, prompt_ids, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-                           synced_gpus=synced, static_cache=self.spec.static_cache, **sampling)
+        # Outside DeepSpeed's forward its torch_autocast does not apply: fp32 weights would decode in fp32.
+        cast = self.spec.ds.autocast and self.dtype == torch.bfloat16 and self.spec.trainable
+        with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=cast):
+            return hf_generate(module, prompt_ids, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                               synced_gpus=synced, static_cache=self.spec.static_cache, **sampling)
 
     # ---------------------------------------------------------------- training
     def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False,

@@ -242,6 +242,8 @@ def _check_engine_metrics(rows: list[dict], steps: int, is_correction: bool = Fa
     assert max(diffs) < MEAN_LOGPROB_TOL, diffs
     assert all(0 < r["time/weight_sync_s"] < 30 for r in rows), [r["time/weight_sync_s"] for r in rows]
     assert all(abs(r["rollout/prob_ratio"] - 1) < 1e-3 for r in rows)
+    # the engine's own share of the generate phase (the rest: prompts and samples through Ray)
+    assert all(0 < r["time/engine_generate_s"] <= r["time/generate_s"] for r in rows)
     if is_correction:  # truncated IS weights exp(trainer - engine): 1 when both hold the same weights
         assert all(abs(r["rollout/is_weight_mean"] - 1) < 1e-3 for r in rows), rows
     else:
@@ -256,7 +258,7 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
     t0 = time.perf_counter()
     # two optimizer steps per rollout: the old log-probs and the IS weights come from a separate forward
     script("train_grpo.py", "--save_path", out, "--vllm_num_engines", "2", "--max_steps", "10", "--eval_steps", "5",
-           "--enable_vllm_is_correction")
+           "--enable_vllm_is_correction")  # which asks the engines for log-probs at every step
     rows = metrics(out)
     worst = _check_engine_metrics(rows, 10, is_correction=True)
     rewards = [r["rollout/reward_mean"] for r in rows]
@@ -281,7 +283,7 @@ def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     t0 = time.perf_counter()
     # --enforce_eager: vLLM's torch.compile adds ~20 s to each engine start on this CPU.
     script(name, "--save_path", out, "--vllm_num_engines", str(engines), "--enforce_eager", "--max_steps", "3",
-           "--eval_steps", "-1", *flags)
+           "--eval_steps", "-1", "--logprob_diff_steps", "1", *flags)
     worst = _check_engine_metrics(metrics(out), 3, "--enable_vllm_is_correction" in flags)
     print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
 
