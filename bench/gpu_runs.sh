@@ -13,7 +13,11 @@
 #   bash bench/gpu_runs.sh train      # bench/train_step.py: the training phase per ZeRO stage, micro-batch, shape
 #   bash bench/gpu_runs.sh bench_hf   # the same without vLLM
 #   bash bench/gpu_runs.sh mfu        # the 1.5B shape, ours only: training-phase MFU
-# Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto).
+#   bash bench/gpu_runs.sh kernels    # fused log-prob kernels vs eager; training phase per bf16 mode
+#   bash bench/gpu_runs.sh compile    # the training phase with --torch_compile (0.5B); mfu15: the 1.5B shape
+#   bash bench/gpu_runs.sh diag2      # vLLM sampling options, GC, async scheduling, reload; training phase per bf16 mode
+# Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
+#      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # Ray workers import common/ from here
@@ -104,8 +108,38 @@ diag)
   timeout 300 $PY bench/vllm_gen.py --model $M ${DIAG_FLAGS:-} > "$OUT/vllm_gen_ours.txt" 2>&1; echo "diag: exit $?"
   grep -E "tok/s|Error" "$OUT/vllm_gen_ours.txt"
   ;;
+diag2)
+  timeout 280 $PY bench/vllm_gen.py --model $M --no-ours --sync-sched --profile > "$OUT/vllm_gen2.txt" 2>&1; echo "vllm_gen: exit $?"
+  grep -E "tok/s|reload|^--|Error" "$OUT/vllm_gen2.txt"
+  timeout 250 $PY bench/train_step.py --model $M --stages 0,2 --micros 64 --modes master,autocast --profile \
+    --out "$OUT/train_modes_0.5b.json" > "$OUT/train_modes_0.5b.txt" 2>&1; echo "train_step: exit $?"
+  grep -E '^\{' "$OUT/train_modes_0.5b.txt"
+  ;;
+kernels)  # the fused log-prob kernels, then the training phase per bf16 mode with them
+  timeout 200 $PY bench/logprob_kernel.py > "$OUT/logprob_kernel.txt" 2>&1; echo "logprob_kernel: exit $?"
+  grep -E "ms|max" "$OUT/logprob_kernel.txt"
+  timeout 200 $PY bench/train_step.py --model $M --stages 0,2 --micros 64 --modes master,autocast \
+    --out "$OUT/train_fused_0.5b.json" > "$OUT/train_fused_0.5b.txt" 2>&1; echo "train_step: exit $?"
+  grep -E '^\{' "$OUT/train_fused_0.5b.txt"
+  ;;
+compile)  # the training phase with compiled blocks (0.5B), then the 1.5B shape's training-phase MFU
+  timeout ${T05:-150} $PY bench/train_step.py --model $M --stages 2 --micros 64 --modes ${MODES:-autocast,master+compile,autocast+compile} \
+    --out "$OUT/train_compile_0.5b.json" > "$OUT/train_compile_0.5b.txt" 2>&1; echo "train_step 0.5b: exit $?"
+  grep -E '^\{' "$OUT/train_compile_0.5b.txt" | cut -c1-220
+  ;;
+mfu15)
+  [ -d /tmp/q15 ] || $PY bench/make_model.py --shape 1.5b --out /tmp/q15 > /dev/null 2>&1
+  timeout ${T15:-200} $PY bench/train_step.py --model /tmp/q15 --stages ${STAGES15:-1} --micros ${MICROS15:-32} \
+    --modes ${MODES15:-master,master+compile} --out "$OUT/train_1.5b.json" > "$OUT/train_1.5b.txt" 2>&1; echo "train_step 1.5b: exit $?"
+  grep -E '^\{' "$OUT/train_1.5b.txt" | cut -c1-220
+  ;;
+loadpath)  # generation after weight pushes through each load path
+  timeout ${TL:-150} $PY bench/vllm_gen.py --model $M --load-paths > "$OUT/vllm_load_paths.txt" 2>&1; echo "load paths: exit $?"
+  grep -E " s " "$OUT/vllm_load_paths.txt"
+  ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
-  bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2}"
+  bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} ${OURS:-}"
   ;;
 train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5B shapes
   timeout 200 $PY bench/train_step.py --model $M --stages 0,1,2 --micros 16,64 --out "$OUT/train_0.5b.json" \

@@ -281,7 +281,10 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     row.update(step_s=med("time/step_s"), generate_s=med("time/generate_s"), logprobs_s=med("time/logprobs_s"),
                train_s=med("time/train_s"), sync_s=med("time/weight_sync_s") or 0.0,
                other_s=_median([m["time/step_s"] - sum(m.get(k, 0.0) for k in phases) for m in timed]),
-               response_len=med("rollout/response_len_mean"), steps=[m["time/step_s"] for m in steps])
+               response_len=med("rollout/response_len_mean"), steps=[m["time/step_s"] for m in steps],
+               generate_steps=[m["time/generate_s"] for m in steps])
+    if any("time/engine_generate_s" in m for m in timed):  # inside vLLM; the rest went to Ray and the driver
+        row["engine_generate_s"] = med("time/engine_generate_s")
     row["gen_tok_s"] = batch * row["response_len"] / row["step_s"]
     # tokens the training phase processed (prompt + response, no padding): perf/tokens_per_s is per step
     row["train_tokens"] = _median([m["perf/tokens_per_s"] * m["time/step_s"] for m in timed])

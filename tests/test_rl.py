@@ -53,15 +53,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
 @pytest.mark.parametrize("name,flags", [
     ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
                        "--skip_nonfinite_updates"]),
+    # also fp32 weights with a bf16 forward, and compiled transformer blocks
     ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
                        "--train_batch_size", "16", "--micro_train_batch_size", "8",
-                       "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean"]),
+                       "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean",
+                       "--bf16", "--torch_autocast", "--torch_compile"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
                       "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates"]),
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                       "--n_samples_per_prompt", "4"]),
-    # fp32 weights with a bf16 forward, and compiled transformer blocks (the actor's and the reference's)
-    ("train_grpo.py", ["--bf16", "--torch_autocast", "--torch_compile"]),
 ])
 def test_variants_run(tmp_path, ray_head, name, flags):
     out = str(tmp_path / "run")
