@@ -96,7 +96,8 @@ def train(a: dict) -> None:
     from common.data import iterate_batches
     from common.preferences import collate_pairs, load_preference_data
     from common.logger import MetricsLogger, git_commit, versions
-    from common.losses import dpo_loss, nll_loss, sequence_logprobs, token_logprobs
+    from common.logprobs import token_logprobs
+    from common.losses import dpo_loss, nll_loss, sequence_logprobs
     from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
 
     dist = ds.setup_distributed()

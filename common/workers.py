@@ -75,7 +75,7 @@ class ModelWorker(BaseWorker):
 
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1])."""
-        from common.losses import token_stats
+        from common.logprobs import token_stats
 
         inputs, packed = self._inputs(micro)
         logits = self.model(**inputs).logits

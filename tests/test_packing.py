@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from common.losses import policy_loss, token_logprobs
+from common.logprobs import token_logprobs
+from common.losses import policy_loss
 from common.packing import pack
 
 

@@ -1,0 +1,134 @@
+"""common.logprobs: token log-probs and entropy against log_softmax and autograd, in every chunking,
+and the compiled (GPU) kernels against the eager math."""
+import math
+
+import pytest
+import torch
+
+from common import logprobs as L
+
+torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 30, 4096])  # 7 does not divide B*T = 30
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked_equals_log_softmax(chunk, temperature):
+    B, T_, V = 3, 10, 50
+    logits = torch.randn(B, T_, V) * 3
+    labels = torch.randint(0, V, (B, T_))
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+    got = L.token_logprobs(logits, labels, temperature=temperature, chunk_tokens=chunk)
+    assert got.dtype == torch.float32 and got.shape == (B, T_)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_token_logprobs_gradient_matches_autograd_on_shifted_view(chunk):
+    B, T_, V = 3, 11, 40
+    ids = torch.randint(0, V, (B, T_))
+    logits = (torch.randn(B, T_, V) * 2).requires_grad_()
+    w = torch.randn(B, T_ - 1)
+    # the caller's shift makes a non-contiguous view: the chunked path must handle it
+    got = L.token_logprobs(logits[:, :-1], ids[:, 1:], temperature=0.8, chunk_tokens=chunk)
+    (got * w).sum().backward()
+    g_got = logits.grad.clone()
+    logits.grad = None
+    ref = torch.log_softmax(logits[:, :-1] / 0.8, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got, logits.grad, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_bf16_input_is_fp32_math():
+    logits = torch.randn(2, 6, 30).bfloat16().requires_grad_()
+    labels = torch.randint(0, 30, (2, 6))
+    got = L.token_logprobs(logits, labels, chunk_tokens=5)
+    ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_no_full_fp32_logits_saved_for_backward():
+    B, T_, V = 4, 8, 64
+    logits = torch.randn(B, T_ + 1, V).bfloat16().requires_grad_()
+    ids = torch.randint(0, V, (B, T_ + 1))
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = L.token_logprobs(logits[:, :-1], ids[:, 1:], chunk_tokens=5)
+        ent = L.token_entropy(logits[:, :-1], chunk_tokens=5)
+    assert saved and not any(d == torch.float32 and n >= 5 * V for d, n in saved), saved
+    (lp.sum() + ent.sum()).backward()
+    assert logits.grad.shape == logits.shape and logits.grad[:, -1].abs().max() == 0
+
+
+def test_token_logprobs_gradcheck_fp64():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: L.token_logprobs(x, labels, 1.3, chunk_tokens=4), (logits,))
+    assert torch.autograd.gradcheck(lambda x: L.token_entropy(x, chunk_tokens=4), (logits,))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_token_entropy_chunked_equals_reference(chunk):
+    B, T_, V = 3, 10, 50
+    logits = (torch.randn(B, T_, V) * 3).requires_grad_()
+    w = torch.randn(B, T_)
+    got = L.token_entropy(logits, chunk_tokens=chunk)
+    (got * w).sum().backward()
+    g_got = logits.grad.clone()
+    logits.grad = None
+    logp = torch.log_softmax(logits, -1)
+    ref = -(logp.exp() * logp).sum(-1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got, logits.grad, atol=1e-5, rtol=0)
+    # uniform logits: entropy is ln V
+    assert L.token_entropy(torch.zeros(1, 2, V), chunk).allclose(torch.full((1, 2), math.log(V)))
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 4096])
+def test_token_stats_joint_pass_matches_autograd(chunk):
+    """Log-probs and entropy in one pass, the gradient of a loss using both, at a temperature."""
+    B, T_, V = 3, 9, 40
+    logits = (torch.randn(B, T_, V) * 2).requires_grad_()
+    labels = torch.randint(0, V, (B, T_))
+    w1, w2 = torch.randn(B, T_), torch.randn(B, T_)
+    lp, ent = L.token_stats(logits, labels, temperature=0.9, entropy=True, chunk_tokens=chunk)
+    (lp * w1 + ent * w2).sum().backward()
+    g_got = logits.grad.clone()
+    logits.grad = None
+    logp = torch.log_softmax(logits / 0.9, -1)
+    ref_lp, ref_ent = logp.gather(-1, labels[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    (ref_lp * w1 + ref_ent * w2).sum().backward()
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got, logits.grad, atol=1e-5, rtol=0)
+    assert L.token_stats(logits, labels)[1] is None
+
+
+def test_compiled_kernels_equal_eager_math():
+    """The functions torch.compile fuses on GPU, compiled here by inductor's CPU backend: same numbers
+    as eager, within 1e-5 in fp32 (forward and backward, with entropy and temperature)."""
+    x, y = torch.randn(2, 5, 50) * 3, torch.randint(0, 50, (2, 5))
+    stats, grad = torch.compile(L._stats, dynamic=True), torch.compile(L._grad, dynamic=True)
+    got, ref = stats(x, y, 0.9, True), L._stats(x, y, 0.9, True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    lse, _, ent = ref
+    g_lp, g_ent = torch.randn(2, 5), torch.randn(2, 5)
+    torch.testing.assert_close(grad(x, y, lse, ent, g_lp, g_ent, 0.9), L._grad(x, y, lse, ent, g_lp, g_ent, 0.9),
+                               atol=1e-5, rtol=0)
+
+
+def test_bad_chunk_size_raises():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        L.token_logprobs(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk_tokens=0)
+
+
