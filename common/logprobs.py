@@ -65,31 +65,36 @@ def _grad(logits, labels, lse, ent, g_lp, g_ent, temperature: float):
 _COMPILED: dict = {}
 
 
-def _fused(name: str, fn):
-    """`fn` compiled once per process for CUDA tensors; None where torch.compile cannot run (then
-    the eager blocks are used, said once on stderr)."""
+def _fused(name: str, fn, *args):
+    """fn(*args) compiled by torch.compile, once per process (the callers pass CUDA tensors); None
+    where it cannot run: HYBRIDRL_FUSED_LOGPROBS=0, or compilation failed (inductor compiles at the
+    first call, e.g. without triton), which is said once on stderr; the caller then runs eager blocks."""
     import os
 
-    if os.environ.get("HYBRIDRL_FUSED_LOGPROBS", "1") == "0":
+    if os.environ.get("HYBRIDRL_FUSED_LOGPROBS", "1") == "0" or _COMPILED.get(name, fn) is None:
         return None
     if name not in _COMPILED:
-        try:
-            _COMPILED[name] = torch.compile(fn, dynamic=True)
-        except Exception as e:  # e.g. no triton in this environment
-            import sys
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    try:
+        return _COMPILED[name](*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        import sys
 
-            print(f"hybridrl: torch.compile unavailable for the log-prob kernels ({e}); using eager blocks", file=sys.stderr)
-            _COMPILED[name] = None
-    return _COMPILED[name]
+        print(f"hybridrl: torch.compile failed for the log-prob kernels ({type(e).__name__}: {e}); "
+              "using eager blocks", file=sys.stderr)
+        _COMPILED[name] = None
+        return None
 
 
 class _TokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_tokens, entropy):
         B, T, _ = logits.shape
-        fused = _fused("stats", _stats) if logits.is_cuda else None
+        fused = _fused("stats", _stats, logits, labels, temperature, entropy) if logits.is_cuda else None
         if fused is not None:
-            lse, lp, ent = fused(logits, labels, temperature, entropy)
+            lse, lp, ent = fused
         else:
             dt = torch.promote_types(logits.dtype, torch.float32)
             lse = torch.empty(B, T, dtype=dt, device=logits.device)
@@ -111,9 +116,9 @@ class _TokenStats(torch.autograd.Function):
         ent = ent[0] if ent else None
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
         g_ent = None if g_ent is None or ent is None else g_ent.to(lse.dtype)
-        fused = _fused("grad", _grad) if logits.is_cuda else None
+        fused = _fused("grad", _grad, logits, labels, lse, ent, g_lp, g_ent, ctx.temperature) if logits.is_cuda else None
         if fused is not None:
-            return fused(logits, labels, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None, None
+            return fused, None, None, None, None
         grad = torch.empty_like(logits)
         for b, t in _blocks(*lse.shape, ctx.chunk_tokens):
             grad[b, t] = _grad(logits[b, t], labels[b, t], lse[b, t], None if ent is None else ent[b, t], g_lp[b, t],

@@ -99,7 +99,7 @@ def compile_layers(model) -> int:
 
     Regional compilation: the blocks share one piece of code, compiled once (seconds) and reused by
     every layer, which fuses the norms, activations and rotary embeddings that eager mode runs as
-    separate kernels. The embedding, the head and the log-probs stay outside (common.losses fuses
+    separate kernels. The embedding, the head and the log-probs stay outside (common.logprobs fuses
     those)."""
     blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for m in blocks:

@@ -132,3 +132,18 @@ def test_bad_chunk_size_raises():
         L.token_logprobs(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk_tokens=0)
 
 
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_eager(capsys):
+    """Inductor compiles at the first call (e.g. it needs triton on GPU): a failure there is said once
+    and the eager blocks take over, instead of the training step failing."""
+    def broken(x):
+        raise RuntimeError("no triton here")
+
+    L._COMPILED.pop("test-broken", None)
+    try:
+        assert L._fused("test-broken", broken, torch.ones(2)) is None
+        assert "torch.compile failed for the log-prob kernels" in capsys.readouterr().err
+        assert L._fused("test-broken", broken, torch.ones(2)) is None and capsys.readouterr().err == ""
+    finally:
+        L._COMPILED.pop("test-broken", None)
