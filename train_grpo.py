@@ -377,8 +377,8 @@ def train(a: dict, plan) -> None:
         check = a["enable_vllm_is_correction"] or step % a["logprob_diff_steps"] == 0  # the engines' log-probs
         samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009, logprobs=check)
         metrics["time/generate_s"] = time.perf_counter() - t0
-        if "engine_s" in samples.extra:  # inside vLLM; the rest is Ray moving prompts and samples
-            metrics["time/engine_generate_s"] = samples.extra["engine_s"]
+        # inside vLLM (the rest is Ray moving prompts and samples): wall, CPU and garbage-collector seconds
+        metrics.update({f"time/{k}": v for k, v in samples.extra.items()})
 
         # The hybrid engine's order frees memory for each phase: vLLM sleeps, training states come back.
         vllm_sleep("sleep", a["vllm_sleep_level"])

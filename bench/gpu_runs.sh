@@ -16,6 +16,7 @@
 #   bash bench/gpu_runs.sh kernels    # fused log-prob kernels vs eager; training phase per bf16 mode
 #   bash bench/gpu_runs.sh compile    # the training phase with --torch_compile (0.5B); mfu15: the 1.5B shape
 #   bash bench/gpu_runs.sh diag2      # vLLM sampling options, GC, async scheduling, reload; training phase per bf16 mode
+#   bash bench/gpu_runs.sh runner     # vLLM's model runner v1 vs v2: generation, weight pushes; ours on v2 (no TRL)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -137,9 +138,22 @@ loadpath)  # generation after weight pushes through each load path
   timeout ${TL:-150} $PY bench/vllm_gen.py --model $M --load-paths > "$OUT/vllm_load_paths.txt" 2>&1; echo "load paths: exit $?"
   grep -E " s " "$OUT/vllm_load_paths.txt"
   ;;
+runner)  # vLLM's model runner v1 against v2 (VLLM_USE_V2_MODEL_RUNNER), then ours on v2 with frequent log-prob checks
+  for r in 0 1; do
+    VLLM_USE_V2_MODEL_RUNNER=$r timeout 200 $PY bench/vllm_gen.py --model $M --no-ours --seeds --no-reload --profile \
+      > "$OUT/vllm_gen_runner_v$((r + 1)).txt" 2>&1; echo "vllm_gen runner v$((r + 1)): exit $?"
+    grep -E "tok/s|Error" "$OUT/vllm_gen_runner_v$((r + 1)).txt"
+  done
+  VLLM_USE_V2_MODEL_RUNNER=1 timeout 150 $PY bench/vllm_gen.py --model $M --load-paths > "$OUT/vllm_load_v2.txt" 2>&1
+  echo "load paths v2: exit $?"; grep -E " s |Error" "$OUT/vllm_load_v2.txt"
+  VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1 bench ours_v2 --shape 0.5b --vllm --micro_batch 64 --no-trl \
+    --warmup 2 --ours_flags "--vllm_sync_backend $SYNC --zero_stage 2 --torch_compile --torch_autocast --logprob_diff_steps 2"
+  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/ours_v2_metrics.jsonl" 2>/dev/null
+  ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} ${OURS:-}"
+  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_ours_metrics.jsonl" 2>/dev/null
   ;;
 train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5B shapes
   timeout 200 $PY bench/train_step.py --model $M --stages 0,1,2 --micros 16,64 --out "$OUT/train_0.5b.json" \

@@ -8,7 +8,7 @@ token's log-prob) and with those options removed. Then (`--ours`) the same rollo
 `common.vllm_engine.VllmEngine.generate`: in this process, in a Ray actor as the scripts run it,
 and in a Ray actor whose engine core runs in a process of its own; the three differ only in where
 the engine lives, so the table shows what the wrapper and the Ray actor cost. Median of 3 rounds
-after a warm-up round.
+after a warm-up round. vLLM's environment applies (VLLM_USE_V2_MODEL_RUNNER=1: its model runner v2).
 """
 from __future__ import annotations
 
@@ -75,11 +75,15 @@ def _load_paths(model: str, prompt_ids, n: int, tokens: int, gpu_util: float) ->
     eng = VllmEngine(spec, 0)
     sampling = dict(n=n, temperature=1.0, top_p=1.0, max_new_tokens=tokens, logprobs=False)
     gen = lambda: eng.generate(prompt_ids, sampling, 0)  # noqa: E731
+    # the model's own weights pushed back must leave greedy answers exactly as they were
+    greedy = lambda: eng.generate(prompt_ids, dict(sampling, greedy=True, max_new_tokens=32), 0).response_ids  # noqa: E731
+    before = greedy()
     print(f"{'VllmEngine, no logprobs, fresh':52s} {_timed(gen)[0]:6.3f} s", flush=True)
     for path in ("direct", "reload", "direct"):
         os.environ["HYBRIDRL_VLLM_LOAD"] = path
         took = _reload_own_weights(eng.llm, model)
-        print(f"{'... after a push, load path ' + path:52s} {_timed(gen)[0]:6.3f} s   (push {took:.3f} s)", flush=True)
+        print(f"{'... after a push, load path ' + path:52s} {_timed(gen)[0]:6.3f} s   (push {took:.3f} s)   "
+              f"greedy answers unchanged: {greedy() == before}", flush=True)
 
 
 def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.25,

@@ -50,6 +50,22 @@ def cpu_binding(cores: list[int], tp: int) -> str:
     return "|".join(",".join(str(c) for c in cores[bounds[i]:bounds[i + 1]]) for i in range(tp))
 
 
+_GC = {"s": 0.0, "t0": 0.0}  # seconds this process spent in garbage collection since _time_gc()
+
+
+def _time_gc() -> None:
+    import gc
+
+    def timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            _GC["t0"] = time.perf_counter()
+        else:
+            _GC["s"] += time.perf_counter() - _GC["t0"]
+
+    if not any(getattr(cb, "__qualname__", "") == timer.__qualname__ for cb in gc.callbacks):
+        gc.callbacks.append(timer)
+
+
 class VllmEngine:
     """One vLLM engine in a Ray actor; `visible_devices`: the GPUs its tensor-parallel workers use
     when they share the actor's GPUs (None: the GPUs Ray gave this actor)."""
@@ -79,6 +95,7 @@ class VllmEngine:
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs",
                        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
                        worker_extension_cls="common.vllm_worker.WeightReceiver")
+        _time_gc()
 
     def ready(self) -> int:
         return self.index
@@ -104,9 +121,13 @@ class VllmEngine:
                                  logprobs=0 if want_lp else None, flat_logprobs=True, detokenize=False,
                                  seed=seed + i if self.spec.per_request_seeds and not greedy else None)
                   for i in range(len(prompt_ids))]
-        t0 = time.perf_counter()
+        # The engine's host work per decode step is what bounds a small model's generation: its CPU
+        # seconds and the garbage collector's share say whether a slow call was starved or did more.
+        t0, c0, g0 = time.perf_counter(), time.process_time(), _GC["s"]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        s = Samples([], [], [], [], [] if want_lp else None, extra={"engine_s": time.perf_counter() - t0})
+        s = Samples([], [], [], [], [] if want_lp else None,
+                    extra={"engine_generate_s": time.perf_counter() - t0, "engine_cpu_s": time.process_time() - c0,
+                           "engine_gc_s": _GC["s"] - g0})
         for i, out in enumerate(outs):
             for c in out.outputs * (n if greedy else 1):
                 ids = list(c.token_ids)
@@ -211,9 +232,10 @@ def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict
     # Fewer prompts than engines leaves some shards empty: those engines get no call.
     used = [i for i in range(k) if bounds[i + 1] > bounds[i]]
     refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
-    out = Samples([], [], [], [], [], extra={"engine_s": 0.0})
+    out = Samples([], [], [], [], [], extra={})
     for i, part in zip(used, get(refs, timeout_s, "vLLM generate")):
-        out.extra["engine_s"] = max(out.extra["engine_s"], part.extra.get("engine_s", 0.0))  # engines run at once
+        for key, v in part.extra.items():  # engines run at once: the slowest counts
+            out.extra[key] = max(out.extra.get(key, 0.0), v)
         out.prompt_ids += part.prompt_ids
         out.response_ids += part.response_ids
         out.prompt_index += [bounds[i] + j for j in part.prompt_index]

@@ -40,6 +40,26 @@ def nll_loss(out, micro):
 
 
 # ---------------------------------------------------------------- in-process: actor group + 1 engine
+def test_engine_gc_timer_counts_collections_once():
+    """The engines report their garbage collector's seconds per generate call (time/engine_gc_s)."""
+    import gc
+
+    from common.vllm_engine import _GC, _time_gc
+
+    _time_gc()
+    _time_gc()  # a second engine in the process must not add a second timer
+    assert sum(getattr(cb, "__qualname__", "").startswith("_time_gc.") for cb in gc.callbacks) == 1
+    before = _GC["s"]
+    cycles = []
+    for _ in range(20_000):
+        a = []
+        a.append(a)
+        cycles.append(a)
+    del cycles, a
+    gc.collect()
+    assert _GC["s"] > before
+
+
 @pytest.fixture(scope="module")
 def rig(ray_cluster):
     """A 1-rank ZeRO-3 actor (`ModelWorker`) and one vLLM engine on their own bundles."""
@@ -244,6 +264,9 @@ def _check_engine_metrics(rows: list[dict], steps: int, is_correction: bool = Fa
     assert all(abs(r["rollout/prob_ratio"] - 1) < 1e-3 for r in rows)
     # the engine's own share of the generate phase (the rest: prompts and samples through Ray)
     assert all(0 < r["time/engine_generate_s"] <= r["time/generate_s"] for r in rows)
+    # and the engine process's CPU and garbage-collector seconds in that call (one process: the CPU
+    # time cannot exceed the wall time by more than its other threads add)
+    assert all(0 < r["time/engine_cpu_s"] and 0 <= r["time/engine_gc_s"] <= r["time/engine_generate_s"] for r in rows)
     if is_correction:  # truncated IS weights exp(trainer - engine): 1 when both hold the same weights
         assert all(abs(r["rollout/is_weight_mean"] - 1) < 1e-3 for r in rows), rows
     else:
