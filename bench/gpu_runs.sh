@@ -17,6 +17,7 @@
 #   bash bench/gpu_runs.sh compile    # the training phase with --torch_compile (0.5B); mfu15: the 1.5B shape
 #   bash bench/gpu_runs.sh diag2      # vLLM sampling options, GC, async scheduling, reload; training phase per bf16 mode
 #   bash bench/gpu_runs.sh runner     # vLLM's model runner v1 vs v2: generation, weight pushes; ours on v2 (no TRL)
+#   bash bench/gpu_runs.sh round2     # one engine vs two on one GPU; sleep/wake on runner v2; the bench, ours on v2
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -149,6 +150,16 @@ runner)  # vLLM's model runner v1 against v2 (VLLM_USE_V2_MODEL_RUNNER), then ou
   VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1 bench ours_v2 --shape 0.5b --vllm --micro_batch 64 --no-trl \
     --warmup 2 --ours_flags "--vllm_sync_backend $SYNC --zero_stage 2 --torch_compile --torch_autocast --logprob_diff_steps 2"
   cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/ours_v2_metrics.jsonl" 2>/dev/null
+  ;;
+round2)  # one engine against two on the GPU (runner v2), sleep/wake on runner v2, then the bench with ours on runner v2
+  VLLM_USE_V2_MODEL_RUNNER=1 timeout 220 $PY bench/vllm_gen.py --model $M --no-bare --no-core-process --engines 2 --rounds 8 \
+    > "$OUT/vllm_gen_engines.txt" 2>&1; echo "vllm_gen engines: exit $?"; grep -E "tok/s|rounds|Error" "$OUT/vllm_gen_engines.txt"
+  VLLM_USE_V2_MODEL_RUNNER=1 timeout 120 $PY bench/sleep_check.py --model $M > "$OUT/sleep_check_v2.txt" 2>&1
+  echo "sleep_check v2: exit $?"; tail -4 "$OUT/sleep_check_v2.txt"
+  bench bench_vllm_v2 --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
+    --ours_env "VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1" \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
+  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_v2_ours_metrics.jsonl" 2>/dev/null
   ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \

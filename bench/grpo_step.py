@@ -82,6 +82,8 @@ def main(
         help="TRL's torch/OpenMP threads (default on CPU: 1, as ours gives each CPU worker; 0: torch's default).")] = None,
     ours_flags: Annotated[str, typer.Option(
         "--ours_flags", "--ours-flags", help="More flags for train_grpo.py, as one string (e.g. \"--zero_stage 3\").")] = "",
+    ours_env: Annotated[str, typer.Option(
+        "--ours_env", "--ours-env", help="Environment for our run only, as NAME=VALUE words (TRL runs without).")] = "",
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
     out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
 ):
@@ -94,7 +96,8 @@ def main(
     job = dict(shape=shape, model=model or _model_dir(shape, work_dir), prompts=prompts, samples=samples,
                new_tokens=new_tokens, steps=steps, warmup=warmup, vllm=vllm, gpu=gpu, bf16=gpu and shape != "tiny",
                micro_batch=micro_batch or batch, gradient_checkpointing=gradient_checkpointing, seed=42,
-               trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split())
+               trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split(),
+               ours_env=dict(w.split("=", 1) for w in ours_env.split()))
     if shape != "tiny":
         job["prompt_file"] = _prompt_file(work_dir)
         job["reward_file"] = os.path.join(ROOT, "bench", "length_reward.py")
@@ -262,7 +265,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     name = "ours (vLLM)" if job["vllm"] else "ours (HF generate)"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     log = save_path + ".log"
-    rc, wall, mem = _run(cmd, log, timeout, job["gpu"])
+    rc, wall, mem = _run(cmd, log, timeout, job["gpu"], **job.get("ours_env", {}))
     row = {"name": name, "wall_s": wall, "log": log}
     if job["gpu"]:
         row["gpu_peak_gb"] = mem

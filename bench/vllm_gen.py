@@ -22,12 +22,17 @@ import typer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _timed(fn, rounds: int = 4) -> tuple[float, object]:
+ROUNDS = {"n": 4}  # the first round warms up; --rounds sets it
+
+
+def _timed(fn, rounds: int | None = None) -> tuple[float, object]:
     times, out = [], None
-    for _ in range(rounds):
+    for _ in range(rounds or ROUNDS["n"]):
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
+    if len(times) > 4:  # the spread says how much of a difference between two rows is noise
+        print(f"   rounds: min {min(times[1:]):.3f}  max {max(times[1:]):.3f} s", flush=True)
     return statistics.median(times[1:]), out
 
 
@@ -88,8 +93,11 @@ def _load_paths(model: str, prompt_ids, n: int, tokens: int, gpu_util: float) ->
 
 def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 256, gpu_util: float = 0.25,
          seeds: bool = False, bare: bool = True, ours: bool = True, profile: bool = False, reload: bool = True,
-         sync_sched: bool = False, load_paths: bool = False):
+         sync_sched: bool = False, load_paths: bool = False, rounds: int = 4, engines: int = 1,
+         core_process: bool = True):
     import gc
+
+    ROUNDS["n"] = rounds
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -141,7 +149,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
 
     spec = EngineSpec(model, dtype="bfloat16", max_model_len=64 + tokens + 64, gpu_memory_utilization=gpu_util,
                       per_request_seeds=False)
-    sampling = dict(n=n, temperature=1.0, top_p=1.0, max_new_tokens=tokens)
+    sampling = dict(n=n, temperature=1.0, top_p=1.0, max_new_tokens=tokens, logprobs=False)  # as the scripts, most steps
 
     def report(name, gen):
         med, out = _timed(gen)
@@ -154,11 +162,19 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")])}})
     for name, env in (("VllmEngine in a Ray actor (as the scripts)", None),
-                      ("... engine core in its own process", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})):
+                      ("... engine core in its own process", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}))[:1 + core_process]:
         actor = ray.remote(VllmEngine).options(num_gpus=0.3, num_cpus=0.33).remote(spec, 1, env)
         ray.get(actor.ready.remote())
         report(name, lambda: ray.get(actor.generate.remote(prompt_ids, sampling, 0)))
         ray.kill(actor)
+    if engines > 1:  # vLLM's host work per decode step grows with the requests: split them over processes
+        from common.vllm_engine import generate_balanced
+
+        part = dict(spec.__dict__, gpu_memory_utilization=gpu_util / engines)
+        actors = [ray.remote(VllmEngine).options(num_gpus=0.9 / engines, num_cpus=1).remote(EngineSpec(**part), i)
+                  for i in range(engines)]
+        ray.get([a.ready.remote() for a in actors])
+        report(f"{engines} engines in Ray actors on one GPU", lambda: generate_balanced(actors, prompt_ids, sampling, 0, 600))
 
 
 if __name__ == "__main__":
