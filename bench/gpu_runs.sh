@@ -18,6 +18,7 @@
 #   bash bench/gpu_runs.sh diag2      # vLLM sampling options, GC, async scheduling, reload; training phase per bf16 mode
 #   bash bench/gpu_runs.sh runner     # vLLM's model runner v1 vs v2: generation, weight pushes; ours on v2 (no TRL)
 #   bash bench/gpu_runs.sh round2     # one engine vs two on one GPU; sleep/wake on runner v2; the bench, ours on v2
+#   bash bench/gpu_runs.sh round3     # engine core in-process vs its own process (runner v2); the bench twice
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -160,6 +161,21 @@ round2)  # one engine against two on the GPU (runner v2), sleep/wake on runner v
     --ours_env "VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1" \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
   cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_v2_ours_metrics.jsonl" 2>/dev/null
+  ;;
+round3)  # runner v2 (now the scripts' default on GPU): engine core in-process or its own process; then the bench twice
+  VLLM_USE_V2_MODEL_RUNNER=1 timeout 200 $PY bench/vllm_gen.py --model $M --no-bare --rounds 6 \
+    > "$OUT/vllm_gen_core.txt" 2>&1; echo "vllm_gen core process: exit $?"; grep -E "tok/s|rounds|Error" "$OUT/vllm_gen_core.txt"
+  CORE=$(awk '/in a Ray actor \(as the scripts\)/ {a=$(NF-5)} /engine core in its own process/ {c=$(NF-5)}
+              END {print (c != "" && c < 0.95 * a) ? 1 : 0}' "$OUT/vllm_gen_core.txt")
+  echo "engine core in its own process for the first bench: $CORE" | tee -a "$OUT/summary.txt"
+  for i in 1 2; do
+    [ $i = 2 ] && CORE=0
+    bench bench_vllm_r3_$i --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} --ours_env "VLLM_ENABLE_V1_MULTIPROCESSING=$CORE" \
+      --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
+    cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_r3_${i}_ours_metrics.jsonl" 2>/dev/null
+    grep -h "JIT compilation during inference" /tmp/ray/session_latest/logs/*.err 2>/dev/null | sed 's/.*inference: //' \
+      | sort | uniq -c > "$OUT/bench_vllm_r3_${i}_jit.txt"
+  done
   ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \

@@ -74,6 +74,9 @@ def _fused(name: str, fn, *args):
     if os.environ.get("HYBRIDRL_FUSED_LOGPROBS", "1") == "0" or _COMPILED.get(name, fn) is None:
         return None
     if name not in _COMPILED:
+        from common.models import compile_in_process
+
+        compile_in_process()
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     try:
         return _COMPILED[name](*args)

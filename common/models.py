@@ -94,6 +94,19 @@ def load_reward_model(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa"
     return model
 
 
+def compile_in_process() -> None:
+    """Inductor compiles in this process unless TORCHINDUCTOR_COMPILE_THREADS says otherwise.
+
+    Its default is a pool of one compile-worker process per core, kept after compiling; each
+    worker wakes periodically, and the trainer, the reference and a CPU-bound vLLM engine share the
+    host's cores (vLLM compiles in-process after warm-up for the same reason). The blocks and the
+    log-prob kernels compile once, so the pool's speed-up is a few seconds per run."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1
+
+
 def compile_layers(model) -> int:
     """torch.compile each transformer block in place; returns how many.
 
@@ -101,6 +114,7 @@ def compile_layers(model) -> int:
     every layer, which fuses the norms, activations and rotary embeddings that eager mode runs as
     separate kernels. The embedding, the head and the log-probs stay outside (common.logprobs fuses
     those)."""
+    compile_in_process()
     blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for m in blocks:
         m.compile()

@@ -61,6 +61,8 @@ with torch.no_grad():
     eager = model(input_ids=ids).logits
     out["blocks"] = compile_layers(model)
     out["compiled_diff"] = (model(input_ids=ids).logits - eager).abs().max().item()
+import torch._inductor.config as inductor
+out["compile_threads"] = inductor.compile_threads
 print("RESULT", json.dumps(out))
 """
 
@@ -79,3 +81,5 @@ def test_torch_autocast_keeps_fp32_weights_and_compiled_blocks_match_eager():
     assert res["master"]["weights"] == "torch.bfloat16", res
     assert res["autocast"]["moved"] > 1e-4 and res["master"]["moved"] > 1e-4, res
     assert res["blocks"] >= 2 and res["compiled_diff"] < 1e-4, res
+    # compiled in the worker's own process: no pool of compile workers left beside the engines
+    assert res["compile_threads"] == 1, res

@@ -60,6 +60,20 @@ def test_engine_gc_timer_counts_collections_once():
     assert _GC["s"] > before
 
 
+def test_model_runner_v2_only_for_dense_listed_architectures():
+    """On GPU the scripts ask vLLM for its model runner v2 where it runs the measured code path."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from common.tiny import tiny_model_path
+    from common.vllm_engine import runner_v2_suits
+
+    assert runner_v2_suits(AutoConfig.from_pretrained(tiny_model_path()))  # the built-in Qwen2
+    assert not runner_v2_suits(Qwen2Config(architectures=["Qwen2MoeForCausalLM"]))
+    assert not runner_v2_suits(Qwen2Config(architectures=["Qwen2ForCausalLM"], num_experts=8))
+    assert not runner_v2_suits(Qwen2Config(architectures=["Qwen2ForCausalLM"], quantization_config={"quant_method": "fp8"}))
+    assert not runner_v2_suits(Qwen2Config(architectures=None))
+
+
 @pytest.fixture(scope="module")
 def rig(ray_cluster):
     """A 1-rank ZeRO-3 actor (`ModelWorker`) and one vLLM engine on their own bundles."""
