@@ -37,10 +37,11 @@ class EngineSpec:
     # there (bench/vllm_gen.py): the engine's own seeded stream is used instead.
     per_request_seeds: bool = True
     tensor_parallel_size: int = 1
-    # vLLM's model runner v2 prepares each decode step on the GPU: on the 0.5B GRPO bench its host
-    # work per step (which bounds a small model's generation) fell enough to take generation from
-    # ~0.65 to 0.52 s (docs/performance.md). vLLM 0.22 makes it the default for Qwen3 only; the
-    # scripts ask for it on GPU for the dense architectures in RUNNER_V2 (VLLM_USE_V2_MODEL_RUNNER=0 declines).
+    # vLLM's model runner v2 prepares each decode step on the GPU. A small model's generation is
+    # bound by the engine's host work per step; on the 0.5B GRPO rollout a profiled call took 1.8 s
+    # of host time against 3.1 s on runner v1 (docs/performance.md). vLLM 0.22 makes it the default
+    # for Qwen3 only; the scripts ask for it on GPU for the dense architectures in RUNNER_V2
+    # (VLLM_USE_V2_MODEL_RUNNER=0 declines).
     model_runner_v2: bool = False
 
 
