@@ -50,6 +50,8 @@ bench() {  # name, grpo_step.py flags...
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   tail -20 "$OUT/$name.txt"
   for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done
+  local m; m=$(ls -t /tmp/bench/ours-*/metrics.jsonl 2>/dev/null | head -1)  # this run's (vLLM or HF), per step
+  [ -n "$m" ] && cp "$m" "$OUT/${name}_ours_metrics.jsonl"
 }
 prompts() {  # /tmp/prompts.jsonl: the bench's copy-task prompts (random-weight models: the length reward scores them)
   $PY -c "from bench.grpo_step import _prompt_file; _prompt_file('/tmp')"
@@ -150,7 +152,6 @@ runner)  # vLLM's model runner v1 against v2 (VLLM_USE_V2_MODEL_RUNNER), then ou
   echo "load paths v2: exit $?"; grep -E " s |Error" "$OUT/vllm_load_v2.txt"
   VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1 bench ours_v2 --shape 0.5b --vllm --micro_batch 64 --no-trl \
     --warmup 2 --ours_flags "--vllm_sync_backend $SYNC --zero_stage 2 --torch_compile --torch_autocast --logprob_diff_steps 2"
-  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/ours_v2_metrics.jsonl" 2>/dev/null
   ;;
 round2)  # one engine against two on the GPU (runner v2), sleep/wake on runner v2, then the bench with ours on runner v2
   VLLM_USE_V2_MODEL_RUNNER=1 timeout 220 $PY bench/vllm_gen.py --model $M --no-bare --no-core-process --engines 2 --rounds 8 \
@@ -160,7 +161,6 @@ round2)  # one engine against two on the GPU (runner v2), sleep/wake on runner v
   bench bench_vllm_v2 --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
     --ours_env "VLLM_USE_V2_MODEL_RUNNER=1 TORCHINDUCTOR_COMPILE_THREADS=1" \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
-  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_v2_ours_metrics.jsonl" 2>/dev/null
   ;;
 round3)  # runner v2 (now the scripts' default on GPU): engine core in-process or its own process; then the bench twice
   VLLM_USE_V2_MODEL_RUNNER=1 timeout 200 $PY bench/vllm_gen.py --model $M --no-bare --rounds 6 \
@@ -172,7 +172,6 @@ round3)  # runner v2 (now the scripts' default on GPU): engine core in-process o
     [ $i = 2 ] && CORE=0
     bench bench_vllm_r3_$i --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} --ours_env "VLLM_ENABLE_V1_MULTIPROCESSING=$CORE" \
       --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
-    cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_r3_${i}_ours_metrics.jsonl" 2>/dev/null
     grep -h "JIT compilation during inference" /tmp/ray/session_latest/logs/*.err 2>/dev/null | sed 's/.*inference: //' \
       | sort | uniq -c > "$OUT/bench_vllm_r3_${i}_jit.txt"
   done
@@ -180,7 +179,6 @@ round3)  # runner v2 (now the scripts' default on GPU): engine core in-process o
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} ${OURS:-}"
-  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_vllm_ours_metrics.jsonl" 2>/dev/null
   ;;
 train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5B shapes
   timeout 200 $PY bench/train_step.py --model $M --stages 0,1,2 --micros 16,64 --out "$OUT/train_0.5b.json" \

@@ -168,10 +168,12 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
         report(name, lambda: ray.get(actor.generate.remote(prompt_ids, sampling, 0)))
         ray.kill(actor)
     if engines > 1:  # vLLM's host work per decode step grows with the requests: split them over processes
+        import dataclasses
+
         from common.vllm_engine import generate_balanced
 
-        part = dict(spec.__dict__, gpu_memory_utilization=gpu_util / engines)
-        actors = [ray.remote(VllmEngine).options(num_gpus=0.9 / engines, num_cpus=1).remote(EngineSpec(**part), i)
+        part = dataclasses.replace(spec, gpu_memory_utilization=gpu_util / engines)
+        actors = [ray.remote(VllmEngine).options(num_gpus=0.9 / engines, num_cpus=1).remote(part, i)
                   for i in range(engines)]
         ray.get([a.ready.remote() for a in actors])
         report(f"{engines} engines in Ray actors on one GPU", lambda: generate_balanced(actors, prompt_ids, sampling, 0, 600))

@@ -51,9 +51,9 @@ RUNNER_V2 = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Mistra
 
 def runner_v2_suits(config) -> bool:
     """Whether a transformers config is one RUNNER_V2 runs: a listed architecture, not quantized, no experts."""
+    archs = getattr(config, "architectures", None) or []
     dense = not any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return (set(getattr(config, "architectures", None) or []) <= set(RUNNER_V2) and bool(config.architectures)
-            and getattr(config, "quantization_config", None) is None and dense)
+    return bool(archs) and set(archs) <= set(RUNNER_V2) and getattr(config, "quantization_config", None) is None and dense
 
 
 def cpu_binding(cores: list[int], tp: int) -> str:
@@ -70,17 +70,18 @@ def cpu_binding(cores: list[int], tp: int) -> str:
 _GC = {"s": 0.0, "t0": 0.0}  # seconds this process spent in garbage collection since _time_gc()
 
 
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["t0"] = time.perf_counter()
+    else:
+        _GC["s"] += time.perf_counter() - _GC["t0"]
+
+
 def _time_gc() -> None:
     import gc
 
-    def timer(phase: str, info: dict) -> None:
-        if phase == "start":
-            _GC["t0"] = time.perf_counter()
-        else:
-            _GC["s"] += time.perf_counter() - _GC["t0"]
-
-    if not any(getattr(cb, "__qualname__", "") == timer.__qualname__ for cb in gc.callbacks):
-        gc.callbacks.append(timer)
+    if _gc_timer not in gc.callbacks:  # once per process, however many engines it holds
+        gc.callbacks.append(_gc_timer)
 
 
 class VllmEngine:
