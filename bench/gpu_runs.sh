@@ -19,6 +19,7 @@
 #   bash bench/gpu_runs.sh runner     # vLLM's model runner v1 vs v2: generation, weight pushes; ours on v2 (no TRL)
 #   bash bench/gpu_runs.sh round2     # one engine vs two on one GPU; sleep/wake on runner v2; the bench, ours on v2
 #   bash bench/gpu_runs.sh round3     # engine core in-process vs its own process (runner v2); the bench twice
+#   bash bench/gpu_runs.sh round4     # Triton compiles in timed steps: ours without the engine's warm-up, then with it vs TRL
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -175,6 +176,21 @@ round3)  # runner v2 (now the scripts' default on GPU): engine core in-process o
     grep -h "JIT compilation during inference" /tmp/ray/session_latest/logs/*.err 2>/dev/null | sed 's/.*inference: //' \
       | sort | uniq -c > "$OUT/bench_vllm_r3_${i}_jit.txt"
   done
+  ;;
+round4)  # Triton compiles inside timed steps? ours with the engine's warm-up declined (each run with a cold
+  # Triton cache), then ours with it against TRL; GPU clocks, power and use sampled throughout
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu --format=csv,noheader \
+    -lms 250 > "$OUT/smi.csv" 2>&1 &
+  smi=$!
+  flags="--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
+  bench bench_vllm_nowarm --shape 0.5b --vllm --no-trl --micro_batch 64 --warmup ${WARMUP:-2} \
+    --ours_env "HYBRIDRL_VLLM_WARMUP=0 TRITON_CACHE_DIR=/tmp/triton-a" --ours_flags "$flags"
+  grep -h "compiled Triton kernels" /tmp/ray/session_latest/logs/*.err 2>/dev/null | cut -c1-400 > "$OUT/jit.txt"
+  bench bench_vllm_warm --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
+    --ours_env "TRITON_CACHE_DIR=/tmp/triton-b" --ours_flags "$flags"
+  echo "-- warm-up on" >> "$OUT/jit.txt"
+  grep -h "compiled Triton kernels" /tmp/ray/session_latest/logs/*.err 2>/dev/null | cut -c1-400 >> "$OUT/jit.txt"
+  kill $smi
   ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \

@@ -286,7 +286,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
                other_s=_median([m["time/step_s"] - sum(m.get(k, 0.0) for k in phases) for m in timed]),
                response_len=med("rollout/response_len_mean"), steps=[m["time/step_s"] for m in steps],
                generate_steps=[m["time/generate_s"] for m in steps])
-    for k in ("engine_generate_s", "engine_cpu_s", "engine_gc_s"):  # inside vLLM; the rest went to Ray and the driver
+    for k in ("engine_generate_s", "engine_cpu_s", "engine_gc_s", "engine_jit_s"):  # inside vLLM; the rest went to Ray and the driver
         if any(f"time/{k}" in m for m in timed):
             row[k] = med(f"time/{k}")
             row[k.replace("_s", "_steps")] = [m.get(f"time/{k}") for m in steps]

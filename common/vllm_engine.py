@@ -13,11 +13,13 @@ object store) are in `common.weight_sync`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
 from dataclasses import dataclass
 
+from common import engine_clock
 from common.errors import UserError
 
 
@@ -43,6 +45,9 @@ class EngineSpec:
     # for Qwen3 only; the scripts ask for it on GPU for the dense architectures in RUNNER_V2
     # (VLLM_USE_V2_MODEL_RUNNER=0 declines).
     model_runner_v2: bool = False
+    # A few short generate calls at start, compiling the kernels later rollouts' shapes will need
+    # (GPU; HYBRIDRL_VLLM_WARMUP=0 declines).
+    warmup: bool = False
 
 
 # dense decoder-only architectures that take the same vLLM code path as the measured Qwen2
@@ -67,23 +72,6 @@ def cpu_binding(cores: list[int], tp: int) -> str:
     return "|".join(",".join(str(c) for c in cores[bounds[i]:bounds[i + 1]]) for i in range(tp))
 
 
-_GC = {"s": 0.0, "t0": 0.0}  # seconds this process spent in garbage collection since _time_gc()
-
-
-def _gc_timer(phase: str, info: dict) -> None:
-    if phase == "start":
-        _GC["t0"] = time.perf_counter()
-    else:
-        _GC["s"] += time.perf_counter() - _GC["t0"]
-
-
-def _time_gc() -> None:
-    import gc
-
-    if _gc_timer not in gc.callbacks:  # once per process, however many engines it holds
-        gc.callbacks.append(_gc_timer)
-
-
 class VllmEngine:
     """One vLLM engine in a Ray actor; `visible_devices`: the GPUs its tensor-parallel workers use
     when they share the actor's GPUs (None: the GPUs Ray gave this actor)."""
@@ -103,8 +91,6 @@ class VllmEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # read only by vLLM-CPU
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
-        import logging
-
         logging.getLogger("vllm").setLevel(logging.WARNING)
         from vllm import LLM
 
@@ -115,7 +101,32 @@ class VllmEngine:
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs",
                        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
                        worker_extension_cls="common.vllm_worker.WeightReceiver")
-        _time_gc()
+        engine_clock.time_gc()
+        # vLLM's model runs in this process only with the in-process engine on one device
+        self.timing_jit = not self.core_process and tp == 1 and engine_clock.time_jit()
+        if spec.warmup and os.environ.get("HYBRIDRL_VLLM_WARMUP", "1") != "0":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Generate a few short batches before the first rollout, so that the Triton kernels which vLLM
+        specializes by batch shape (a count of 1, a multiple of 16, any other) compile now rather
+        than inside a training step. vLLM's own warm-up runs one prefill and one decode shape."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        def run(lengths, n, max_tokens, logprobs=None):
+            prompts = [TokensPrompt(prompt_token_ids=list(range(1, 1 + k))) for k in lengths]
+            params = [SamplingParams(n=n, max_tokens=m, ignore_eos=True, detokenize=False, logprobs=logprobs)
+                      for m in max_tokens]
+            self.llm.generate(prompts, params, use_tqdm=False)
+
+        # 17 prompts of 1-17 tokens, 2 samples each, stopping one step apart: the batch shrinks
+        # from 34 requests to 2 (306 prompt tokens); 16 of 16 tokens (256); a single request
+        run(range(1, 18), 2, range(1, 18))
+        run(range(1, 18), 2, range(1, 18), logprobs=0)
+        run([16] * 16, 1, [16] * 16)
+        run([1], 1, [3])
+        self.llm.reset_prefix_cache()
 
     def ready(self) -> int:
         return self.index
@@ -142,12 +153,15 @@ class VllmEngine:
                                  seed=seed + i if self.spec.per_request_seeds and not greedy else None)
                   for i in range(len(prompt_ids))]
         # The engine's host work per decode step is what bounds a small model's generation: its CPU
-        # seconds and the garbage collector's share say whether a slow call was starved or did more.
-        t0, c0, g0 = time.perf_counter(), time.process_time(), _GC["s"]
+        # seconds, the garbage collector's and Triton's compiles say whether a slow call was starved
+        # or did more (common.engine_clock).
+        m = engine_clock.mark()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        s = Samples([], [], [], [], [] if want_lp else None,
-                    extra={"engine_generate_s": time.perf_counter() - t0, "engine_cpu_s": time.process_time() - c0,
-                           "engine_gc_s": _GC["s"] - g0})
+        extra, compiled = engine_clock.since(m, self.timing_jit)
+        s = Samples([], [], [], [], [] if want_lp else None, extra=extra)
+        if compiled:  # into the actor's log (Ray's session logs): what made a slow call slow
+            logging.getLogger("hybridrl").warning("vLLM engine %d compiled Triton kernels during generate (%.2f s): %s",
+                                                  self.index, extra["engine_jit_s"], ", ".join(compiled))
         for i, out in enumerate(outs):
             for c in out.outputs * (n if greedy else 1):
                 ids = list(c.token_ids)
@@ -236,7 +250,8 @@ def start_script_engines(a: dict, plan, pgs: dict, actor_group, pretrain: str) -
                       max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
                       enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
                       enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
-                      tensor_parallel_size=tp, model_runner_v2=plan.use_gpu and runner_v2_suits(config))
+                      tensor_parallel_size=tp, model_runner_v2=plan.use_gpu and runner_v2_suits(config),
+                      warmup=plan.use_gpu)
     actor = plan.role("actor")
     shared = plan.vllm_group == actor.group
     return start_engines(a["vllm_num_engines"], spec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,

@@ -44,12 +44,12 @@ def test_engine_gc_timer_counts_collections_once():
     """The engines report their garbage collector's seconds per generate call (time/engine_gc_s)."""
     import gc
 
-    from common.vllm_engine import _GC, _gc_timer, _time_gc
+    from common.engine_clock import _CLOCK, _gc_timer, time_gc
 
-    _time_gc()
-    _time_gc()  # a second engine in the process must not add a second timer
+    time_gc()
+    time_gc()  # a second engine in the process must not add a second timer
     assert sum(cb is _gc_timer for cb in gc.callbacks) == 1
-    before = _GC["s"]
+    before = _CLOCK["gc"]
     cycles = []
     for _ in range(20_000):
         a = []
@@ -57,7 +57,32 @@ def test_engine_gc_timer_counts_collections_once():
         cycles.append(a)
     del cycles, a
     gc.collect()
-    assert _GC["s"] > before
+    assert _CLOCK["gc"] > before
+
+
+def test_triton_compile_timer_keeps_the_hooks_it_found(monkeypatch):
+    """time/engine_jit_s: the engine times Triton's compiles through its two runtime hooks and still
+    calls the hooks set before it (vLLM's JIT monitor), whose answer to skip a compile Triton obeys.
+    Triton itself compiles only on a GPU, so its `knobs.runtime` is a stand-in namespace here."""
+    from common import engine_clock
+
+    calls = []
+    runtime = SimpleNamespace(jit_cache_hook=lambda **kw: calls.append(("cache", kw["key"])) or kw["key"] == "skip",
+                              jit_post_compile_hook=lambda **kw: calls.append(("post", kw["key"])))
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setitem(engine_clock._CLOCK, "hooks", (None, None))
+    assert engine_clock.time_jit() and engine_clock.time_jit()  # the second call must not wrap our own hooks
+    assert runtime.jit_post_compile_hook is engine_clock._jit_after
+    m = engine_clock.mark()
+    kernel = SimpleNamespace(name="_gumbel_sample_kernel")
+    assert not runtime.jit_cache_hook(key="k1", fn=kernel)  # Triton compiles between the two hooks
+    time.sleep(0.05)
+    runtime.jit_post_compile_hook(key="k1", fn=kernel)
+    assert runtime.jit_cache_hook(key="skip", fn=kernel)  # the earlier hook's "skip" reaches Triton
+    extra, compiled = engine_clock.since(m, jit=True)
+    assert 0.05 <= extra["engine_jit_s"] < 1.0 and compiled == ["_gumbel_sample_kernel"]
+    assert calls == [("cache", "k1"), ("post", "k1"), ("cache", "skip")]
+    assert "engine_jit_s" not in engine_clock.since(m, jit=False)[0]
 
 
 def test_model_runner_v2_only_for_dense_listed_architectures():
@@ -102,7 +127,9 @@ def rig(ray_cluster):
     optim = dict(lr=1e-2, total_steps=100, warmup_ratio=0.0, scheduler="constant_with_warmup")
     actor = RoleGroup("actor", ModelWorker, plan.role("actor"), pgs["actor"])
     setup = actor.async_call("setup", ModelSpec(path, "causal_lm", True, settings, optim=optim))
-    engine_spec = EngineSpec(path, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=64)
+    # warmup: the GPU engines' start-up batches run here too; the tests below then check the engine
+    # still answers exactly as the trainer does
+    engine_spec = EngineSpec(path, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=64, warmup=True)
     engine = start_engines(1, engine_spec, pgs["vllm"], 0.0, 1.0)[0]
     get(setup, 600, "actor setup")
     print(f"actor + engine ready in {time.perf_counter() - t0:.1f} s")
