@@ -20,6 +20,7 @@
 #   bash bench/gpu_runs.sh round2     # one engine vs two on one GPU; sleep/wake on runner v2; the bench, ours on v2
 #   bash bench/gpu_runs.sh round3     # engine core in-process vs its own process (runner v2); the bench twice
 #   bash bench/gpu_runs.sh round4     # Triton compiles in timed steps: ours without the engine's warm-up, then with it vs TRL
+#   bash bench/gpu_runs.sh final      # the same-run bench twice in a row (LOGS=0: tables and logs stay there)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -47,10 +48,12 @@ run() {  # name, script, flags...: keep the metrics and the log tail
 bench() {  # name, grpo_step.py flags...
   local name=$1; shift
   local t0=$SECONDS
-  timeout "${LIMIT:-500}" $PY bench/grpo_step.py --work_dir /tmp/bench --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1
+  timeout "${LIMIT:-500}" $PY bench/grpo_step.py --work_dir /tmp/bench --out "$OUT/$name.json" "$@" > "/tmp/$name.txt" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  tail -20 "$OUT/$name.txt"
-  for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done
+  tail -20 "/tmp/$name.txt"
+  # the device returns only a few files: with LOGS=0 the run's table and logs stay on the machine
+  [ "${LOGS:-1}" = 0 ] || { cp "/tmp/$name.txt" "$OUT/"
+    for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done; }
   local m; m=$(ls -t /tmp/bench/ours-*/metrics.jsonl 2>/dev/null | head -1)  # this run's (vLLM or HF), per step
   [ -n "$m" ] && cp "$m" "$OUT/${name}_ours_metrics.jsonl"
 }
@@ -191,6 +194,12 @@ round4)  # Triton compiles inside timed steps? ours with the engine's warm-up de
   echo "-- warm-up on" >> "$OUT/jit.txt"
   grep -h "compiled Triton kernels" /tmp/ray/session_latest/logs/*.err 2>/dev/null | cut -c1-400 >> "$OUT/jit.txt"
   kill $smi
+  ;;
+final)  # the same-run bench twice in a row (ours, TRL, ours, TRL), with the scripts' defaults
+  for i in 1 2; do
+    LOGS=0 bench bench_vllm_final_$i --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
+      --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
+  done
   ;;
 bench)  # BZ: our ZeRO stage (default 2), MB: our micro-batch (default 64, TRL's one pass)
   bench bench_vllm --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
