@@ -121,11 +121,13 @@ class VllmEngine:
             self.llm.generate(prompts, params, use_tqdm=False)
 
         # 17 prompts of 1-17 tokens, 2 samples each, stopping one step apart: the batch shrinks
-        # from 34 requests to 2 (306 prompt tokens); 16 of 16 tokens (256); a single request
-        run(range(1, 18), 2, range(1, 18))
-        run(range(1, 18), 2, range(1, 18), logprobs=0)
-        run([16] * 16, 1, [16] * 16)
-        run([1], 1, [3])
+        # from 34 requests to 2 (306 prompt tokens); 16 of 16 tokens (256); a single request.
+        # No request outgrows the engine's max_model_len.
+        k = max(1, min(17, self.spec.max_model_len // 2))
+        run(range(1, k + 1), 2, range(1, k + 1))
+        run(range(1, k + 1), 2, range(1, k + 1), logprobs=0)
+        run([min(16, k)] * 16, 1, [min(16, k)] * 16)
+        run([1], 1, [1])
         self.llm.reset_prefix_cache()
 
     def ready(self) -> int:
