@@ -403,8 +403,9 @@ def train(a: dict, plan) -> None:
             log.log(step, metrics | {"rollout/no_groups_left": 1.0})
             continue
         keep = [g * n + j for g in keep_groups for j in range(n)]
-        samples, scores = samples.select(keep), scores[keep]
-        batch = make_batch(samples, tokenizer.pad_token_id)
+        if len(keep) < len(samples):
+            samples, scores = samples.select(keep), scores[keep]
+            batch = make_batch(samples, tokenizer.pad_token_id)
         mask = batch["action_mask"]
         metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)

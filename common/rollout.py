@@ -36,20 +36,29 @@ def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:
     input_ids, attention_mask: [N, T]; action_mask: [N, T-1], 1 where input_ids[:, 1:] is a response
     token (aligned with log-probs of logits[:, :-1]); gen_logprobs: [N, T-1] when the generator gave them.
     """
-    seqs = [p + r for p, r in zip(samples.prompt_ids, samples.response_ids)]
-    T = max(len(s) for s in seqs)
-    N = len(seqs)
+    # Built from flat lists with masks (no per-row tensor writes): 64 rows of ~270 tokens took 4.8 ms
+    # row by row on the 2-core box, twice per step.
+    plen = torch.tensor([len(p) for p in samples.prompt_ids])
+    lens = plen + torch.tensor([len(r) for r in samples.response_ids])
+    N, T = len(lens), int(lens.max())
+    cols = torch.arange(T)
+    attn = (cols[None, :] < lens[:, None]).long()
     ids = torch.full((N, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((N, T), dtype=torch.long)
-    action = torch.zeros((N, T - 1), dtype=torch.float32)
-    gen_lp = torch.zeros((N, T - 1), dtype=torch.float32) if samples.logprobs is not None else None
-    for i, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids)):
-        n = len(p) + len(r)
-        ids[i, :n] = torch.tensor(p + r)
-        attn[i, :n] = 1
-        action[i, len(p) - 1: n - 1] = 1
-        if gen_lp is not None:
-            gen_lp[i, len(p) - 1: n - 1] = torch.tensor(samples.logprobs[i], dtype=torch.float32)
+    flat: list[int] = []
+    for p, r in zip(samples.prompt_ids, samples.response_ids):
+        flat.extend(p)
+        flat.extend(r)
+    ids[attn.bool()] = torch.tensor(flat, dtype=torch.long)
+    acts = (cols[None, :-1] >= plen[:, None] - 1) & (cols[None, :-1] < lens[:, None] - 1)
+    action = acts.float()
+    gen_lp = None
+    if samples.logprobs is not None:
+        bad = [i for i, (lp, r) in enumerate(zip(samples.logprobs, samples.response_ids)) if len(lp) != len(r)]
+        if bad:
+            raise ValueError(f"sample {bad[0]}: {len(samples.logprobs[bad[0]])} log-probs for "
+                             f"{len(samples.response_ids[bad[0]])} response tokens")
+        gen_lp = torch.zeros((N, T - 1), dtype=torch.float32)
+        gen_lp[acts] = torch.tensor([v for lp in samples.logprobs for v in lp], dtype=torch.float32)
     batch = {"input_ids": ids, "attention_mask": attn, "action_mask": action}
     if gen_lp is not None:
         batch["gen_logprobs"] = gen_lp

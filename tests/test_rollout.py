@@ -41,3 +41,39 @@ def test_generation_note_points_gpu_users_at_the_fast_generation_paths():
     assert generation_note(use_gpu=True, vllm_engines=1, static_cache=False, zero_stage=2) is None
     assert generation_note(use_gpu=True, vllm_engines=0, static_cache=True, zero_stage=2) is None
     assert generation_note(use_gpu=False, vllm_engines=0, static_cache=False, zero_stage=2) is None  # CPU: no compile win
+
+
+def test_make_batch_equals_a_row_by_row_build():
+    """make_batch builds the rows from flat lists and masks; each tensor must equal the naive
+    row-by-row construction (right padding, the action mask on the response's predicting positions,
+    the engine's log-probs there), including empty responses; mismatched log-probs name the sample."""
+    import random
+
+    import pytest
+
+    from common.rollout import Samples, make_batch
+
+    rng = random.Random(0)
+    responses = [[rng.randint(4, 500) for _ in range(rng.randint(0, 40))] for _ in range(33)]
+    prompts = [[rng.randint(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(33)]
+    logprobs = [[-rng.random() for _ in r] for r in responses]
+    batch = make_batch(Samples(prompts, responses, list(range(33)), [False] * 33, logprobs), pad_id=3)
+
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids, attn = torch.full((33, T), 3), torch.zeros((33, T), dtype=torch.long)
+    action, gen = torch.zeros((33, T - 1)), torch.zeros((33, T - 1))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        attn[i, :n] = 1
+        action[i, len(p) - 1: n - 1] = 1
+        if r:
+            gen[i, len(p) - 1: n - 1] = torch.tensor(logprobs[i])
+    for key, want in (("input_ids", ids), ("attention_mask", attn), ("action_mask", action), ("gen_logprobs", gen)):
+        assert batch[key].dtype == want.dtype and torch.equal(batch[key], want), key
+    assert "gen_logprobs" not in make_batch(Samples(prompts, responses, list(range(33)), [False] * 33), pad_id=3)
+
+    i = next(i for i, r in enumerate(responses) if r)
+    logprobs[i] = logprobs[i][:-1]
+    with pytest.raises(ValueError, match=f"sample {i}: {len(responses[i]) - 1} log-probs for {len(responses[i])} response"):
+        make_batch(Samples(prompts, responses, list(range(33)), [False] * 33, logprobs), pad_id=3)
