@@ -181,19 +181,15 @@ round3)  # runner v2 (now the scripts' default on GPU): engine core in-process o
   done
   ;;
 round4)  # Triton compiles inside timed steps? ours with the engine's warm-up declined (each run with a cold
-  # Triton cache), then ours with it against TRL; GPU clocks, power and use sampled throughout
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu --format=csv,noheader \
-    -lms 250 > "$OUT/smi.csv" 2>&1 &
-  smi=$!
+  # Triton cache), then ours with it against TRL; LOGS=0 so that jit.txt fits in what the device returns
   flags="--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}"
-  bench bench_vllm_nowarm --shape 0.5b --vllm --no-trl --micro_batch 64 --warmup ${WARMUP:-2} \
+  LOGS=0 bench bench_vllm_nowarm --shape 0.5b --vllm --no-trl --micro_batch 64 --warmup ${WARMUP:-2} \
     --ours_env "HYBRIDRL_VLLM_WARMUP=0 TRITON_CACHE_DIR=/tmp/triton-a" --ours_flags "$flags"
   grep -h "compiled Triton kernels" /tmp/ray/session_latest/logs/*.err 2>/dev/null | cut -c1-400 > "$OUT/jit.txt"
-  bench bench_vllm_warm --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
+  LOGS=0 bench bench_vllm_warm --shape 0.5b --vllm --micro_batch 64 --warmup ${WARMUP:-2} \
     --ours_env "TRITON_CACHE_DIR=/tmp/triton-b" --ours_flags "$flags"
   echo "-- warm-up on" >> "$OUT/jit.txt"
   grep -h "compiled Triton kernels" /tmp/ray/session_latest/logs/*.err 2>/dev/null | cut -c1-400 >> "$OUT/jit.txt"
-  kill $smi
   ;;
 final)  # the same-run bench twice in a row (ours, TRL, ours, TRL), with the scripts' defaults
   for i in 1 2; do

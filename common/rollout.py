@@ -57,8 +57,11 @@ def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:
         if bad:
             raise ValueError(f"sample {bad[0]}: {len(samples.logprobs[bad[0]])} log-probs for "
                              f"{len(samples.response_ids[bad[0]])} response tokens")
+        flat_lp: list[float] = []
+        for lp in samples.logprobs:
+            flat_lp.extend(lp)
         gen_lp = torch.zeros((N, T - 1), dtype=torch.float32)
-        gen_lp[acts] = torch.tensor([v for lp in samples.logprobs for v in lp], dtype=torch.float32)
+        gen_lp[acts] = torch.tensor(flat_lp, dtype=torch.float32)
     batch = {"input_ids": ids, "attention_mask": attn, "action_mask": action}
     if gen_lp is not None:
         batch["gen_logprobs"] = gen_lp
