@@ -146,7 +146,7 @@ VllmGpuMemUtil = Annotated[float, opt("vllm_gpu_memory_utilization", "Fraction o
 VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport: auto | cuda_ipc | nccl | gloo | ray (auto: CUDA IPC on a shared GPU, NCCL between GPUs, gloo on CPU).", ROLLOUT)]
 VllmEnableSleep = Annotated[bool, flag("vllm_enable_sleep", "Put vLLM to sleep while training (hybrid engine; needs --colocate_all_models).", ROLLOUT)]
 EnablePrefixCaching = Annotated[bool, flag("enable_prefix_caching", "vLLM prefix caching.", ROLLOUT)]
-StaticKVCache = Annotated[bool, flag("static_kv_cache", "Without vLLM: generate with transformers' static KV cache, compiled with torch.compile and CUDA graphs on GPU (the first steps compile; not with ZeRO-3).", ROLLOUT)]
+StaticKVCache = Annotated[bool, flag("static_kv_cache", "Without vLLM: generate with a preallocated KV cache; on GPU each decode step is compiled and replayed as one CUDA graph (the first rollout compiles, ~30-45 s for a 0.5B model; not with ZeRO-3).", ROLLOUT)]
 EnforceEager = Annotated[bool, flag("enforce_eager", "Disable CUDA graphs in vLLM.", ROLLOUT)]
 VllmSyncBucketMB = Annotated[float, opt("vllm_sync_bucket_mb", "Weight sync bucket size (MB): one transfer per bucket, not per tensor.", ROLLOUT, min=0.001)]
 VllmSyncTimeout = Annotated[float, opt("vllm_sync_timeout", "Seconds a weight sync may take before the run stops naming the engine.", ROLLOUT, min=1.0)]

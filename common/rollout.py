@@ -94,19 +94,26 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
                 max_new_tokens: int, eos_id: int, pad_id: int, micro_batch: int, synced_gpus: bool = False,
-                greedy: bool = False, static_cache: bool = False) -> Samples:
-    """Sample n responses per prompt with transformers' `generate` (left-padded prompt batches).
-
-    static_cache: a preallocated KV cache, which transformers compiles (torch.compile, CUDA graphs)
-    on GPU. Prompts are then left-padded to a multiple of 64 tokens so that batches of other prompt
-    lengths reuse the compiled graphs instead of compiling new ones."""
+                greedy: bool = False, static_cache: bool = False, seed: int = 0) -> Samples:
+    """Sample n responses per prompt, `micro_batch` prompts at a time: with transformers' `generate`
+    (left-padded prompt batches), or with `static_cache` through `common.decode` (a preallocated KV
+    cache; on GPU each decode step is one CUDA graph), sampling from torch's generator seeded with `seed`."""
     device = next(model.parameters()).device
     out_p, out_r, out_i, out_t = [], [], [], []
     for start in range(0, len(prompt_ids), micro_batch):
         chunk = prompt_ids[start: start + micro_batch]
-        L = max(len(p) for p in chunk)
         if static_cache:
-            L = -(-L // 64) * 64
+            from common.decode import static_generate
+
+            rows = [p for p in chunk for _ in range(n)]
+            resp, trunc = static_generate(model, rows, temperature=temperature, top_p=top_p, greedy=greedy,
+                                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, seed=seed + start)
+            out_p += rows
+            out_r += resp
+            out_i += [start + k // n for k in range(len(rows))]
+            out_t += trunc
+            continue
+        L = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), L), dtype=torch.long)
         for j, p in enumerate(chunk):
@@ -116,8 +123,7 @@ def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: floa
                              temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
                              top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
                              num_return_sequences=n, eos_token_id=eos_id, pad_token_id=pad_id,
-                             synced_gpus=synced_gpus, use_cache=True,
-                             cache_implementation="static" if static_cache else None)
+                             synced_gpus=synced_gpus, use_cache=True)
         gen = gen[:, L:].tolist()
         for k, row in enumerate(gen):
             j = k // n

@@ -143,7 +143,7 @@ class ModelWorker(BaseWorker):
         cast = self.spec.ds.autocast and self.dtype == torch.bfloat16 and self.spec.trainable
         with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=cast):
             return hf_generate(module, prompt_ids, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-                               synced_gpus=synced, static_cache=self.spec.static_cache, **sampling)
+                               synced_gpus=synced, static_cache=self.spec.static_cache, seed=seed, **sampling)
 
     # ---------------------------------------------------------------- training
     def train(self, batch: dict, loss_fn, *, output: str, micro_batch: int, steps: int, entropy: bool = False,

@@ -77,3 +77,66 @@ def test_make_batch_equals_a_row_by_row_build():
     logprobs[i] = logprobs[i][:-1]
     with pytest.raises(ValueError, match=f"sample {i}: {len(responses[i]) - 1} log-probs for {len(responses[i])} response"):
         make_batch(Samples(prompts, responses, list(range(33)), [False] * 33, logprobs), pad_id=3)
+
+
+def test_decode_attention_equals_sdpa_with_repeated_kv_heads():
+    """One query per row against a left-padded cache: grouped matmuls = transformers' SDPA path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from common.decode import _decode_attention
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 4, True, False
+
+    g = torch.Generator().manual_seed(0)
+    b, kv, h, L, d = 3, 2, 8, 11, 32
+    q = torch.randn(b, h, 1, d, generator=g)
+    k, v = torch.randn(b, kv, L, d, generator=g), torch.randn(b, kv, L, d, generator=g)
+    mask = torch.ones(b, 1, 1, L, dtype=torch.bool)
+    mask[0, ..., :4] = False                  # row 0: four left-pad positions
+    mask[2, ..., -1] = False                  # row 2: a future position
+    ours, _ = _decode_attention(Layer(), q, k, v, mask, scaling=d ** -0.5)
+    ref, _ = sdpa_attention_forward(Layer(), q, k, v, mask, scaling=d ** -0.5)
+    assert ours.shape == ref.shape == (b, 1, h, d)
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_sampled_tokens_follow_the_tempered_nucleus():
+    """argmax(p / Exp(1)) draws token i with probability p_i: frequencies over 40k rows against the
+    softmax at temperature 0.7, and with top_p 0.8 only the nucleus, renormalized."""
+    from common.decode import sample_tokens
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    rows = 40_000
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(logits / 0.7, -1)
+    freq = torch.bincount(sample_tokens(logits.expand(rows, 5), 0.7, 1.0, g), minlength=5) / rows
+    assert torch.allclose(freq, p, atol=0.01), (freq, p)
+    # nucleus: the smallest top set whose mass reaches 0.8
+    keep = (torch.cumsum(p, 0) - p) < 0.8
+    q = torch.where(keep, p, torch.zeros(())) / p[keep].sum()
+    freq = torch.bincount(sample_tokens(logits.expand(rows, 5), 0.7, 0.8, g), minlength=5) / rows
+    assert keep.sum() < 5 and torch.allclose(freq, q, atol=0.01), (freq, q)
+
+
+def test_static_decoding_marks_truncated_rows_and_stops_at_eos():
+    from common.decode import static_generate
+    from common.models import load_causal_lm
+    from common.tiny import tiny_model_path
+
+    model = load_causal_lm(tiny_model_path()).eval()
+    rows = [[1, 5, 6, 7], [1, 8, 9]]
+    full, trunc = static_generate(model, rows, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=-1, pad_id=0,
+                                  greedy=True)
+    assert [len(r) for r in full] == [6, 6] and trunc == [True, True]
+    # the greedy tokens are the full forward's argmax over each row's own prefix (no padding there)
+    with torch.no_grad():
+        for r, resp in zip(rows, full):
+            logits = model(torch.tensor([r + resp])).logits[0, len(r) - 1:-1]
+            assert logits.argmax(-1).tolist() == resp
+    # with one of row 0's tokens as the stop token, each row ends at its first occurrence (or runs on)
+    eos = full[0][-1]
+    out, trunc = static_generate(model, rows, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=eos, pad_id=0,
+                                 greedy=True)
+    want = [f[: f.index(eos) + 1] if eos in f else f for f in full]
+    assert out == want and trunc == [eos not in f for f in full] and trunc[0] is False
