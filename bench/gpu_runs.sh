@@ -21,6 +21,8 @@
 #   bash bench/gpu_runs.sh round3     # engine core in-process vs its own process (runner v2); the bench twice
 #   bash bench/gpu_runs.sh round4     # Triton compiles in timed steps: ours without the engine's warm-up, then with it vs TRL
 #   bash bench/gpu_runs.sh final      # the same-run bench twice in a row (LOGS=0: tables and logs stay there)
+#   bash bench/gpu_runs.sh static     # ours generating for itself (common.decode, no vLLM) vs TRL with vLLM colocated
+#   bash bench/gpu_runs.sh decode     # bench/decode_bench.py: the policy's own decoding vs transformers' and vLLM's
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -211,8 +213,16 @@ train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5
 bench_hf)  # ours generates with transformers' static KV cache (compiled), TRL with its default generate
   bench bench_hf --shape 0.5b --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
   ;;
+static)  # the same-run bench: ours with --static_kv_cache (no engine, no weight sync), TRL with vLLM colocated
+  bench bench_static --shape 0.5b --vllm --ours-no-vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
+    --ours_flags "--static_kv_cache --torch_compile --zero_stage ${BZ:-2} ${OURS:-}"
+  ;;
+decode)
+  timeout 400 $PY bench/decode_bench.py --model $M --no-hf-dynamic --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1
+  tail -8 "$OUT/decode.txt"
+  ;;
 mfu)
   bench mfu_1.5b --shape 1.5b --vllm --no-trl --micro_batch ${MB:-16} --ours_flags "--vllm_sync_backend $SYNC"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|mfu" >&2; exit 2 ;;
+*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|..." >&2; exit 2 ;;
 esac

@@ -69,6 +69,9 @@ def main(
     vllm: Annotated[bool, typer.Option(
         "--vllm/--no-vllm", help="Generate with vLLM (ours: one engine; TRL: colocate).")] = False,
     trl: Annotated[bool, typer.Option("--trl/--no-trl", help="Also run TRL's GRPOTrainer.")] = True,
+    ours_vllm: Annotated[bool, typer.Option(
+        "--ours-vllm/--ours-no-vllm", help="Whether ours generates with vLLM (default: as --vllm); "
+        "--vllm --ours-no-vllm compares our policy's own generation (--ours_flags --static_kv_cache) with TRL's vLLM.")] = None,
     micro_batch: Annotated[int, typer.Option(
         "--micro_batch", "--micro-batch", min=1,
         help="Ours: --micro_train_batch_size (default prompts x samples: TRL trains the batch in one pass).")] = None,
@@ -105,7 +108,8 @@ def main(
     print(f"GRPO step: {prompts} prompts x {samples} samples, <= {new_tokens} new tokens, model {job['model']}, "
           f"{'GPU' if gpu else 'CPU'}, {warmup} warm-up + {steps} timed steps; logs in {work_dir}", flush=True)
 
-    rows = [_run_ours(job, os.path.join(work_dir, f"ours-{tag}"), timeout)]
+    ours_job = job if ours_vllm is None else dict(job, vllm=ours_vllm)
+    rows = [_run_ours(ours_job, os.path.join(work_dir, f"ours-{shape}-{'vllm' if ours_job['vllm'] else 'hf'}"), timeout)]
     if trl:
         row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
         if "error" in row and vllm:
@@ -262,7 +266,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     elif job["gpu"]:
         cmd += ["--colocate_actor_ref"]
     cmd += job["ours_flags"]
-    name = "ours (vLLM)" if job["vllm"] else "ours (HF generate)"
+    name = "ours (vLLM)" if job["vllm"] else "ours (static KV cache)" if "--static_kv_cache" in job["ours_flags"] else "ours (HF generate)"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     log = save_path + ".log"
     rc, wall, mem = _run(cmd, log, timeout, job["gpu"], **job.get("ours_env", {}))
