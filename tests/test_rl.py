@@ -60,8 +60,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
                        "--bf16", "--torch_autocast", "--torch_compile"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
                       "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates"]),
+    # also the policy's own decoding with a preallocated cache (common.decode)
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
-                      "--n_samples_per_prompt", "4"]),
+                      "--n_samples_per_prompt", "4", "--static_kv_cache"]),
 ])
 def test_variants_run(tmp_path, ray_head, name, flags):
     out = str(tmp_path / "run")
