@@ -210,7 +210,7 @@ train)  # the training phase alone, per ZeRO stage and micro-batch, 0.5B and 1.5
   timeout 200 $PY bench/train_step.py --model /tmp/q15 --stages ${STAGES15:-1,2} --micros 16,32 --out "$OUT/train_1.5b.json" \
     > "$OUT/train_1.5b.txt" 2>&1; tail -5 "$OUT/train_1.5b.txt"
   ;;
-bench_hf)  # ours generates with transformers' static KV cache (compiled), TRL with its default generate
+bench_hf)  # ours generates with --static_kv_cache (common.decode; before 2026-12-01 transformers' compiled static cache), TRL with its default generate
   bench bench_hf --shape 0.5b --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
   ;;
 static)  # the same-run bench: ours with --static_kv_cache (no engine, no weight sync), TRL with vLLM colocated
