@@ -99,7 +99,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
         # Greedy check: is each token the argmax of transformers' full forward over the same prefix?
         # Random weights make near-ties common in bf16, so mismatches are listed with their logit gap.
         for name, fn in (("common.decode", lambda: static_generate(hf, prompt_ids, temperature=1.0, top_p=1.0,
-                                                                  max_new_tokens=64, eos_id=-1, pad_id=0, greedy=True)[0]),
+                                                                  max_new_tokens=64, eos_id=-1, pad_id=0, greedy=True)),
                          ("transformers static", lambda: hf.generate(
                              input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
                              min_new_tokens=64, pad_token_id=0, cache_implementation="static")[:, 64:].tolist())):

@@ -11,11 +11,13 @@ transformers' compiled static cache, and about vLLM's time on that host (docs/pe
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-# tokens between the host's checks whether every row has ended: each check waits for the GPU, so on
-# GPU it happens every 16 tokens; on CPU there is nothing to wait for
-CHECK_EVERY = {"cuda": 16}
+# tokens between the host's checks on GPU whether every row has ended (each check waits for the GPU;
+# on CPU there is nothing to wait for, so it checks every token)
+CHECK_EVERY = 16
 # prompts are left-padded to a multiple of this on GPU, so that rollouts whose longest prompt
 # differs a little reuse the same cache and compiled graphs
 PAD_MULTIPLE = 64
@@ -45,10 +47,10 @@ class _Decoder:
     as one CUDA graph: the forward (compiled by inductor), the sample and the bookkeeping, so the
     host spends ~10 us per token instead of running Python per kernel."""
 
-    def __init__(self, model, b: int, L: int, device, sampling: tuple):
+    def __init__(self, model, b: int, L: int, device, sampling: tuple, fwd):
         from transformers import StaticCache
 
-        self.model, self.sampling = model, sampling
+        self.model, self.sampling, self.fwd = model, sampling, fwd
         self.cache = StaticCache(config=model.config, max_cache_len=L)
         self.mask = torch.ones((b, L), dtype=torch.long, device=device)
         self.tok = torch.zeros((b, 1), dtype=torch.long, device=device)
@@ -59,16 +61,20 @@ class _Decoder:
         self.graph = None
         self.params = _param_pointers(model)
 
-    def body(self) -> None:
-        """One token for every row: the forward of the last token (tok at pos), then the next token."""
-        temperature, top_p, greedy, eos_id, pad_id, fwd = self.sampling
-        logits = fwd(self.model, self.tok, self.mask, self.pos, self.cache)
-        tok = logits.argmax(-1) if greedy else sample_tokens(logits, temperature, top_p, None)
+    def take(self, logits: torch.Tensor) -> None:
+        """logits [b, V] of each row's last position -> its next token at column t (pad_id once the
+        row has ended); the token becomes the next step's input."""
+        temperature, top_p, greedy, eos_id, pad_id = self.sampling
+        tok = logits.argmax(-1) if greedy else sample_tokens(logits, temperature, top_p)
         self.out.index_copy_(1, self.t, torch.where(self.done, pad_id, tok)[:, None])
         self.done |= tok == eos_id
         self.tok.copy_(tok[:, None])
-        self.pos.add_(1)
         self.t.add_(1)
+
+    def body(self) -> None:
+        """One token for every row: the forward of the last token (tok at pos), then the next token."""
+        self.take(self.fwd(self.model, self.tok, self.mask, self.pos, self.cache))
+        self.pos.add_(1)
 
     def capture(self) -> None:
         """Record body() as a CUDA graph (after two runs on a side stream, as CUDA graphs need).
@@ -120,17 +126,13 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
     return out.reshape(b, 1, h, d).to(query.dtype), None
 
 
-_registered = []
-
-
+@functools.cache
 def _register_attention() -> None:
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(ATTENTION, _decode_attention)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-        _registered.append(ATTENTION)
+    AttentionInterface.register(ATTENTION, _decode_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class _attention:
@@ -164,12 +166,13 @@ _compiled_forward = None
 @torch.no_grad()
 def static_generate(model, rows: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                     eos_id: int, pad_id: int, greedy: bool = False, seed: int = 0,
-                    compile: bool | None = None) -> tuple[list[list[int]], list[bool]]:
-    """Sample one response per row of prompt ids. Returns (responses, truncated): each response ends
-    with eos_id unless it reached max_new_tokens (then truncated is True). Samples come from torch's
-    default generator, seeded with `seed`.
+                    compile: bool | None = None) -> list[list[int]]:
+    """Sample one response per row of prompt ids: [len(rows)][max_new_tokens] token ids, pad_id after
+    a row's eos_id. Samples come from torch's default generator, seeded with `seed`.
 
     compile: compile the forward and capture each decode step as a CUDA graph (default: on GPU)."""
+    from common.rollout import left_pad
+
     global _compiled_forward
     device = next(model.parameters()).device
     graph = (device.type == "cuda") if compile is None else compile
@@ -178,19 +181,17 @@ def static_generate(model, rows: list[list[int]], *, temperature: float, top_p: 
     if device.type == "cuda":
         P = -(-P // PAD_MULTIPLE) * PAD_MULTIPLE
     L = P + max_new_tokens
-    ids = torch.full((b, P), pad_id, dtype=torch.long)
-    mask = torch.ones((b, L), dtype=torch.long)   # 0 on the left padding only; causality comes from the cache
-    for j, r in enumerate(rows):
-        ids[j, P - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[j, : P - len(r)] = 0
+    ids, prompt_mask = left_pad(rows, pad_id, P)
+    # 0 on the left padding only: causality comes from the cache's position
+    mask = torch.cat([prompt_mask, torch.ones((b, max_new_tokens), dtype=torch.long)], 1)
     ids = ids.to(device)
     fwd = _forward_last
     if graph:
         if _compiled_forward is None:
             _compiled_forward = torch.compile(_forward_last, dynamic=False)
         fwd = _compiled_forward
-    sampling = (temperature, top_p, greedy, eos_id, pad_id, fwd)
-    key = (id(model), b, L, sampling[:5], graph)
+    sampling = (temperature, top_p, greedy, eos_id, pad_id)
+    key = (id(model), b, L, sampling, graph)
     dec = _DECODERS.get(key)
     if dec is None or dec.params != _param_pointers(model):
         # two shapes kept (a run's rollouts and its evaluations); a third frees the oldest, ~0.25 GiB
@@ -198,21 +199,18 @@ def static_generate(model, rows: list[list[int]], *, temperature: float, top_p: 
         _DECODERS.pop(key, None)
         while len(_DECODERS) >= 2:
             _DECODERS.pop(next(iter(_DECODERS)))
-        dec = _DECODERS[key] = _Decoder(model, b, L, device, sampling)
+        dec = _DECODERS[key] = _Decoder(model, b, L, device, sampling, fwd)
     torch.manual_seed(seed)
 
     def prefill() -> None:
         dec.cache.reset()
         dec.mask.copy_(mask)
         pos = (dec.mask[:, :P].cumsum(1) - 1).clamp(min=0)            # [b, P]
-        logits = _forward_last(model, ids, dec.mask, pos, dec.cache)   # [b, V]
-        tok = logits.argmax(-1) if greedy else sample_tokens(logits, temperature, top_p, None)
         dec.out.fill_(pad_id)
-        dec.out[:, 0] = tok
-        dec.done.copy_(tok == eos_id)
-        dec.tok.copy_(tok[:, None])
+        dec.done.zero_()
+        dec.t.zero_()
+        dec.take(_forward_last(model, ids, dec.mask, pos, dec.cache))
         dec.pos.copy_(pos[:, -1:] + 1)
-        dec.t.fill_(1)
 
     with _attention(model):
         prefill()
@@ -220,18 +218,9 @@ def static_generate(model, rows: list[list[int]], *, temperature: float, top_p: 
             dec.capture()
             torch.manual_seed(seed)
             prefill()
-        every = CHECK_EVERY.get(device.type, 1)
+        every = CHECK_EVERY if device.type == "cuda" else 1
         for t in range(1, max_new_tokens):
             if t % every == 0 and bool(dec.done.all()):
                 break
             dec.step()
-    out = dec.out[:, :max_new_tokens].tolist()
-    responses, truncated = [], []
-    for row in out:
-        if eos_id in row:
-            responses.append(row[: row.index(eos_id) + 1])
-            truncated.append(False)
-        else:
-            responses.append(row)
-            truncated.append(True)
-    return responses, truncated
+    return dec.out[:, :max_new_tokens].tolist()

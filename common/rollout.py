@@ -91,6 +91,17 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def left_pad(rows: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids -> (ids, mask) [b, width] (default: the longest row), each row at the right end."""
+    width = width or max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[j, width - len(r):] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
                 max_new_tokens: int, eos_id: int, pad_id: int, micro_batch: int, synced_gpus: bool = False,
@@ -102,29 +113,20 @@ def hf_generate(model, prompt_ids: list[list[int]], *, n: int, temperature: floa
     out_p, out_r, out_i, out_t = [], [], [], []
     for start in range(0, len(prompt_ids), micro_batch):
         chunk = prompt_ids[start: start + micro_batch]
-        if static_cache:
+        if static_cache:  # [len(chunk) * n rows, max_new_tokens], pad_id after each row's eos
             from common.decode import static_generate
 
-            rows = [p for p in chunk for _ in range(n)]
-            resp, trunc = static_generate(model, rows, temperature=temperature, top_p=top_p, greedy=greedy,
-                                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, seed=seed + start)
-            out_p += rows
-            out_r += resp
-            out_i += [start + k // n for k in range(len(rows))]
-            out_t += trunc
-            continue
-        L = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for j, p in enumerate(chunk):
-            ids[j, L - len(p):] = torch.tensor(p)
-            mask[j, L - len(p):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
-                             temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-                             top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
-                             num_return_sequences=n, eos_token_id=eos_id, pad_token_id=pad_id,
-                             synced_gpus=synced_gpus, use_cache=True)
-        gen = gen[:, L:].tolist()
+            gen = static_generate(model, [p for p in chunk for _ in range(n)], temperature=temperature, top_p=top_p,
+                                  greedy=greedy, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                                  seed=seed + start)
+        else:
+            ids, mask = left_pad(chunk, pad_id)
+            gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
+                                 temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
+                                 top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
+                                 num_return_sequences=n, eos_token_id=eos_id, pad_token_id=pad_id,
+                                 synced_gpus=synced_gpus, use_cache=True)
+            gen = gen[:, ids.shape[1]:].tolist()
         for k, row in enumerate(gen):
             j = k // n
             resp = row[: row.index(eos_id) + 1] if eos_id in row else [t for t in row if t != pad_id]

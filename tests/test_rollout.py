@@ -120,14 +120,19 @@ def test_sampled_tokens_follow_the_tempered_nucleus():
 
 
 def test_static_decoding_marks_truncated_rows_and_stops_at_eos():
-    from common.decode import static_generate
     from common.models import load_causal_lm
+    from common.rollout import hf_generate
     from common.tiny import tiny_model_path
 
     model = load_causal_lm(tiny_model_path()).eval()
     rows = [[1, 5, 6, 7], [1, 8, 9]]
-    full, trunc = static_generate(model, rows, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=-1, pad_id=0,
-                                  greedy=True)
+
+    def decode(eos_id):
+        s = hf_generate(model, rows, n=1, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=eos_id, pad_id=3,
+                        micro_batch=2, greedy=True, static_cache=True)
+        return s.response_ids, s.truncated
+
+    full, trunc = decode(-1)
     assert [len(r) for r in full] == [6, 6] and trunc == [True, True]
     # the greedy tokens are the full forward's argmax over each row's own prefix (no padding there)
     with torch.no_grad():
@@ -136,7 +141,6 @@ def test_static_decoding_marks_truncated_rows_and_stops_at_eos():
             assert logits.argmax(-1).tolist() == resp
     # with one of row 0's tokens as the stop token, each row ends at its first occurrence (or runs on)
     eos = full[0][-1]
-    out, trunc = static_generate(model, rows, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=eos, pad_id=0,
-                                 greedy=True)
+    out, trunc = decode(eos)
     want = [f[: f.index(eos) + 1] if eos in f else f for f in full]
     assert out == want and trunc == [eos not in f for f in full] and trunc[0] is False
