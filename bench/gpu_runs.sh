@@ -23,6 +23,8 @@
 #   bash bench/gpu_runs.sh final      # the same-run bench twice in a row (LOGS=0: tables and logs stay there)
 #   bash bench/gpu_runs.sh static     # ours generating for itself (common.decode, no vLLM) vs TRL with vLLM colocated
 #   bash bench/gpu_runs.sh decode     # bench/decode_bench.py: the policy's own decoding vs transformers' and vLLM's
+#   bash bench/gpu_runs.sh decode15   # the same on the 1.5B shape (no vLLM row)
+#   bash bench/gpu_runs.sh three      # one bench run, three rows: ours with vLLM colocated, ours decoding itself, TRL with vLLM
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -220,6 +222,19 @@ static)  # the same-run bench: ours with --static_kv_cache (no engine, no weight
 decode)
   timeout 400 $PY bench/decode_bench.py --model $M --no-hf-dynamic --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1
   tail -8 "$OUT/decode.txt"
+  ;;
+decode15)
+  [ -d /tmp/q15 ] || $PY bench/make_model.py --shape 1.5b --out /tmp/q15
+  timeout 400 $PY bench/decode_bench.py --model /tmp/q15 --no-hf-dynamic --no-vllm --out "$OUT/decode15.json" > "$OUT/decode15.txt" 2>&1
+  tail -8 "$OUT/decode15.txt"
+  ;;
+three)  # the scripts' fastest flags for each way of generating
+  LOGS=0 bench bench_three --shape 0.5b --vllm --micro_batch ${MB:-64} --warmup ${WARMUP:-2} \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} --torch_compile --torch_autocast ${OURS:-}" \
+    --ours_alt "--static_kv_cache --torch_compile --zero_stage ${BZ:-2} ${OURS:-}"
+  cp /tmp/bench_three.txt "$OUT/" 2>/dev/null
+  cp /tmp/bench/ours-0.5b-vllm/metrics.jsonl "$OUT/bench_three_ours_metrics.jsonl" 2>/dev/null
+  cp /tmp/bench/ours-0.5b-alt/metrics.jsonl "$OUT/bench_three_alt_metrics.jsonl" 2>/dev/null
   ;;
 mfu)
   bench mfu_1.5b --shape 1.5b --vllm --no-trl --micro_batch ${MB:-16} --ours_flags "--vllm_sync_backend $SYNC"

@@ -85,6 +85,9 @@ def main(
         help="TRL's torch/OpenMP threads (default on CPU: 1, as ours gives each CPU worker; 0: torch's default).")] = None,
     ours_flags: Annotated[str, typer.Option(
         "--ours_flags", "--ours-flags", help="More flags for train_grpo.py, as one string (e.g. \"--zero_stage 3\").")] = "",
+    ours_alt: Annotated[str, typer.Option(
+        "--ours_alt", "--ours-alt", help="Also run ours a second time in the same bench run, without vLLM and with "
+        "these flags instead of --ours_flags (e.g. \"--static_kv_cache --torch_compile\"): one table, both ratios.")] = None,
     ours_env: Annotated[str, typer.Option(
         "--ours_env", "--ours-env", help="Environment for our run only, as NAME=VALUE words (TRL runs without).")] = "",
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
@@ -110,6 +113,8 @@ def main(
 
     ours_job = job if ours_vllm is None else dict(job, vllm=ours_vllm)
     rows = [_run_ours(ours_job, os.path.join(work_dir, f"ours-{shape}-{'vllm' if ours_job['vllm'] else 'hf'}"), timeout)]
+    if ours_alt is not None:
+        rows.append(_run_ours(dict(job, vllm=False, ours_flags=ours_alt.split()), os.path.join(work_dir, f"ours-{shape}-alt"), timeout))
     if trl:
         row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
         if "error" in row and vllm:
@@ -118,9 +123,11 @@ def main(
             row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
             row["note"] = f"{row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
         rows.append(row)
-    ours = rows[0].get("step_s")
+    # TRL's step over each of our rows' (TRL's own row: over our first)
+    trl_s = rows[-1].get("step_s") if trl else None
     for r in rows:
-        r["ratio"] = r["step_s"] / ours if ours and r.get("step_s") else None
+        base = rows[0] if r is rows[-1] and trl else r
+        r["ratio"] = trl_s / base["step_s"] if trl_s and base.get("step_s") else None
         if gpu and r.get("train_s") and r.get("train_tokens"):
             n = _param_count(job["model"])
             for name, peak in PEAKS.items():
