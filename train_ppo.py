@@ -88,6 +88,7 @@ def main(
     seed: o.Seed = 42,
     skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
     packing_samples: o.PackingSamples = False,
+    share_prompt_prefix: o.SharePromptPrefix = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
     deepspeed_enable_sleep: o.DeepSpeedSleep = False,
@@ -259,10 +260,11 @@ def train(a: dict, plan) -> None:
         groups[role] = RoleGroup(role, ModelWorker, roles[role], pgs[roles[role].group])
         return groups[role].async_call("setup", spec)
 
+    share = a["share_prompt_prefix"]  # the causal LMs' forwards only: value models run whole rows
     pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim,
-                                      static_cache=a["static_kv_cache"], **common_spec))]
+                                      static_cache=a["static_kv_cache"], share_prefix=share, **common_spec))]
     if "ref" in roles:
-        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, **common_spec)))
+        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, share_prefix=share, **common_spec)))
     if "reward" in roles:
         pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings, **common_spec)))
     if "critic" in roles:  # the value model starts from the reward model when there is one

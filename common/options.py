@@ -120,6 +120,7 @@ TopP = Annotated[float, opt("top_p", "Nucleus sampling.", ROLLOUT, min=0.0, max=
 RolloutBatchSize = Annotated[int, opt("rollout_batch_size", "Prompts per RL step.", ROLLOUT, min=1)]
 MicroRolloutBatchSize = Annotated[int, opt("micro_rollout_batch_size", "Sequences per forward pass while generating and scoring.", ROLLOUT, min=1)]
 PackingSamples = Annotated[bool, flag("packing_samples", "Pack sequences into one row without padding.", OPTIM)]
+SharePromptPrefix = Annotated[bool, flag("share_prompt_prefix", "Run each prompt once per group of its samples in the actor's and the reference's forward passes, the responses attending to its keys and values: the same log-probs and gradients, fewer FLOPs when prompts are long next to responses (the critic and reward model still run whole rows). Not with --packing_samples or --gradient_checkpointing.", OPTIM)]
 DryRun = Annotated[bool, flag("dry_run", "Check the options, print the resource plan and exit without loading a model.", CLUSTER)]
 
 
@@ -196,6 +197,13 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
     require(not (a["static_kv_cache"] and a["zero_stage"] == 3),
             "--static_kv_cache needs the whole policy on each rank: use --zero_stage 0, 1 or 2, or drop --static_kv_cache")
     check_precision(a)
+    if a["share_prompt_prefix"]:
+        require(n > 1, "--share_prompt_prefix runs a prompt once for its samples: with --n_samples_per_prompt 1 there "
+                "is nothing to share; sample 2 or more per prompt or drop --share_prompt_prefix")
+        require(not a["packing_samples"], "--share_prompt_prefix and --packing_samples are two ways to cut the "
+                "forward passes' padded work and do not combine: drop one of them")
+        require(not a["gradient_checkpointing"], "--share_prompt_prefix runs the responses on the prompts' key/value "
+                "cache, which transformers turns off under --gradient_checkpointing: drop one of them")
     require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
             "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],

@@ -28,6 +28,7 @@ class ModelSpec:
     seed: int = 42
     temperature: float = 1.0     # log-probs are taken of logits / temperature, as sampled
     packing: bool = False
+    share_prefix: bool = False   # causal LMs: each prompt runs once for its consecutive rows (common.shared_prefix)
     static_cache: bool = False   # generate with transformers' static (compiled on GPU) KV cache
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
 
@@ -74,9 +75,13 @@ class ModelWorker(BaseWorker):
         return packed.model_inputs(), packed
 
     def _token_logprobs(self, micro: dict, entropy: bool = False):
-        """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1])."""
+        """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1]); with share_prefix
+        from each prompt's last position on (zeros before: no action sits there)."""
         from common.logprobs import token_stats
+        from common.shared_prefix import shared_prefix_stats
 
+        if self.spec.share_prefix:
+            return shared_prefix_stats(self.model, micro, self.spec.temperature, entropy)
         inputs, packed = self._inputs(micro)
         logits = self.model(**inputs).logits
         # Every position against the next token, the last against an arbitrary one, dropped after:

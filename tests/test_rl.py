@@ -53,11 +53,12 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
 @pytest.mark.parametrize("name,flags", [
     ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
                        "--skip_nonfinite_updates"]),
-    # also fp32 weights with a bf16 forward, and compiled transformer blocks
+    # also fp32 weights with a bf16 forward, compiled transformer blocks, and each prompt run once for
+    # its samples (their responses on its key/value cache)
     ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
                        "--train_batch_size", "16", "--micro_train_batch_size", "8",
                        "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean",
-                       "--bf16", "--torch_autocast", "--torch_compile"]),
+                       "--bf16", "--torch_autocast", "--torch_compile", "--share_prompt_prefix"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
                       "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates"]),
     # also the policy's own decoding with a preallocated cache (common.decode)
@@ -221,6 +222,11 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
     (["--torch_autocast"], "--torch_autocast is a way to run --bf16: add --bf16"),
     (["--bf16", "--torch_autocast", "--deepspeed_enable_sleep"], "with --torch_autocast it is not supported yet"),
     (["--torch_compile", "--zero_stage", "3"], "--torch_compile: ZeRO-3"),
+    (["--share_prompt_prefix"], "with --n_samples_per_prompt 1 there is nothing to share"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--packing_samples"],
+     "--share_prompt_prefix and --packing_samples are two ways"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--gradient_checkpointing"],
+     "which transformers turns off under --gradient_checkpointing: drop one of them"),
 ])
 def test_flag_contradictions(tmp_path, flags, expect):
     p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)
