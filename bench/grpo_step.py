@@ -11,7 +11,11 @@ training batch), learning rate 1e-6, temperature 1, no evaluation. Rewards: on `
 rule (ours built-in, TRL given `common.tasks.reward_func`); on GPU shapes, whose random weights emit
 text no task rule can score, `bench/length_reward.py` for both, on prompts written from
 `common.tasks.prompt_rows`. GPU shapes train in bf16 (ours: DeepSpeed ZeRO-2 with fp32 master
-weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32.
+weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32. On `tiny` ours runs each
+prompt once for its samples (`--share_prompt_prefix`: the same log-probs and gradients, fewer FLOPs;
+prompts of 12-13 tokens, responses of ~3.5) while TRL runs whole rows; `--no-share_prompt_prefix`
+turns it off. GPU shapes leave it off unless asked (not measured there: their prompts are short
+next to 256-token responses).
 
 Each framework runs in its own subprocess (TRL's accelerate state must never meet our Ray/DeepSpeed
 processes). Ours is read back from its `metrics.jsonl`; TRL's steps are timed by a TrainerCallback
@@ -77,6 +81,9 @@ def main(
         help="Ours: --micro_train_batch_size (default prompts x samples: TRL trains the batch in one pass).")] = None,
     gradient_checkpointing: Annotated[bool, typer.Option(
         "--gradient_checkpointing/--no-gradient_checkpointing", help="Gradient checkpointing on both sides.")] = False,
+    share_prompt_prefix: Annotated[bool, typer.Option(
+        "--share_prompt_prefix/--no-share_prompt_prefix", help="Ours runs each prompt once for its samples "
+        "(default: on the tiny shape without gradient checkpointing, where it made the CPU step faster).")] = None,
     model: Annotated[str, typer.Option(help="Use this model folder instead of building the --shape one.")] = None,
     work_dir: Annotated[str, typer.Option(
         "--work_dir", "--work-dir", help="Models, prompt file, run folders and logs.")] = "/tmp/hybridrl-bench",
@@ -102,6 +109,8 @@ def main(
     job = dict(shape=shape, model=model or _model_dir(shape, work_dir), prompts=prompts, samples=samples,
                new_tokens=new_tokens, steps=steps, warmup=warmup, vllm=vllm, gpu=gpu, bf16=gpu and shape != "tiny",
                micro_batch=micro_batch or batch, gradient_checkpointing=gradient_checkpointing, seed=42,
+               share_prompt_prefix=(shape == "tiny" and not gradient_checkpointing) if share_prompt_prefix is None
+               else share_prompt_prefix,
                trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split(),
                ours_env=dict(w.split("=", 1) for w in ours_env.split()))
     if shape != "tiny":
@@ -266,6 +275,8 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
         cmd += ["--bf16"]
     if job["gradient_checkpointing"]:
         cmd += ["--gradient_checkpointing"]
+    if job["share_prompt_prefix"]:
+        cmd += ["--share_prompt_prefix"]
     if job["vllm"]:
         cmd += ["--vllm_num_engines", "1"]
         if job["gpu"]:  # actor, reference and engine share the one GPU; TRL's colocated engine takes 0.3 too
