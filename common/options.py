@@ -120,7 +120,7 @@ TopP = Annotated[float, opt("top_p", "Nucleus sampling.", ROLLOUT, min=0.0, max=
 RolloutBatchSize = Annotated[int, opt("rollout_batch_size", "Prompts per RL step.", ROLLOUT, min=1)]
 MicroRolloutBatchSize = Annotated[int, opt("micro_rollout_batch_size", "Sequences per forward pass while generating and scoring.", ROLLOUT, min=1)]
 PackingSamples = Annotated[bool, flag("packing_samples", "Pack sequences into one row without padding.", OPTIM)]
-SharePromptPrefix = Annotated[bool, flag("share_prompt_prefix", "Run each prompt once per group of its samples in the actor's and the reference's forward passes, the responses attending to its keys and values: the same log-probs and gradients, fewer FLOPs when prompts are long next to responses (the critic and reward model still run whole rows). Not with --packing_samples or --gradient_checkpointing.", OPTIM)]
+SharePromptPrefix = Annotated[bool, flag("share_prompt_prefix", "Run each prompt once per group of its samples in the actor's and the reference's forward passes, the responses attending to its keys and values: the same log-probs and gradients, fewer FLOPs when prompts are long next to responses (the critic and reward model still run whole rows). Not with --packing_samples, --gradient_checkpointing or --flash_attn.", OPTIM)]
 DryRun = Annotated[bool, flag("dry_run", "Check the options, print the resource plan and exit without loading a model.", CLUSTER)]
 
 
@@ -204,6 +204,9 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
                 "forward passes' padded work and do not combine: drop one of them")
         require(not a["gradient_checkpointing"], "--share_prompt_prefix runs the responses on the prompts' key/value "
                 "cache, which transformers turns off under --gradient_checkpointing: drop one of them")
+        # flash-attention's padded path with a left-padded cache was not available to check against the plain forward
+        require(not a["flash_attn"], "--share_prompt_prefix is checked with PyTorch's SDPA and eager attention only, "
+                "not with flash-attention: drop --flash_attn or --share_prompt_prefix")
     require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
             "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],

@@ -227,6 +227,8 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
      "--share_prompt_prefix and --packing_samples are two ways"),
     (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--gradient_checkpointing"],
      "which transformers turns off under --gradient_checkpointing: drop one of them"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--flash_attn"],
+     "not with flash-attention: drop --flash_attn or --share_prompt_prefix"),
 ])
 def test_flag_contradictions(tmp_path, flags, expect):
     p = script("train_ppo.py", "--save_path", str(tmp_path), *flags, check=False)
