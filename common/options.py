@@ -120,7 +120,7 @@ TopP = Annotated[float, opt("top_p", "Nucleus sampling.", ROLLOUT, min=0.0, max=
 RolloutBatchSize = Annotated[int, opt("rollout_batch_size", "Prompts per RL step.", ROLLOUT, min=1)]
 MicroRolloutBatchSize = Annotated[int, opt("micro_rollout_batch_size", "Sequences per forward pass while generating and scoring.", ROLLOUT, min=1)]
 PackingSamples = Annotated[bool, flag("packing_samples", "Pack sequences into one row without padding.", OPTIM)]
-SharePromptPrefix = Annotated[bool, flag("share_prompt_prefix", "Run each prompt once per group of its samples in the actor's and the reference's forward passes, the responses attending to its keys and values: the same log-probs and gradients, fewer FLOPs when prompts are long next to responses (the critic and reward model still run whole rows). Not with --packing_samples, --gradient_checkpointing or --flash_attn.", OPTIM)]
+SharePromptPrefix = Annotated[bool, flag("share_prompt_prefix", "Run each prompt once per group of its samples in the actor's and the reference's forward passes, the responses attending to its keys and values: the same log-probs and gradients, fewer FLOPs when prompts are long next to responses and groups large; slower otherwise, e.g. 256-token responses to short prompts on a GPU (the critic and reward model still run whole rows). Not with --packing_samples, --gradient_checkpointing or --flash_attn.", OPTIM)]
 DryRun = Annotated[bool, flag("dry_run", "Check the options, print the resource plan and exit without loading a model.", CLUSTER)]
 
 
