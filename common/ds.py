@@ -8,6 +8,7 @@ backend is used, so everything here runs on a laptop CPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
         "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
         "gradient_accumulation_steps": grad_accumulation(s, world_size),
         "train_batch_size": s.train_batch_size,
-        "gradient_clipping": s.max_norm if s.max_norm > 0 else 0.0,
+        "gradient_clipping": s.max_norm if s.max_norm > 0 and not _clips_itself(s, dtype) else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16 and not s.autocast},
         "zero_allow_untested_optimizer": True,
@@ -181,17 +182,36 @@ class _SkipNonfinite:
     `was_step_applied()` with False and holds the LR scheduler back. This gives a plain optimizer the
     same behaviour: weights and moments stay as they were. The gradients are all-reduced by then, so
     every rank decides alike. (Under bf16 ZeRO-0 DeepSpeed has checked already; this finds nothing.)
+
+    It also clips (see `_clips_itself`) and keeps the norm before clipping as `_global_grad_norm`,
+    which the engine reads after each step: DeepSpeed's own clipping of a plain optimizer keeps no
+    norm, so train/grad_norm was None under ZeRO-0.
     """
 
     overflow = False
+    max_norm = 0.0
 
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.overflow = bool(grads) and not bool(torch.stack([g.isfinite().all() for g in grads]).all())
-        return None if self.overflow else super().step(closure)
+        if not grads:
+            return super().step(closure)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        self._global_grad_norm = norm.item()
+        self.overflow = not math.isfinite(self._global_grad_norm)  # a NaN or inf anywhere makes the norm so
+        if self.overflow:
+            return None
+        if self.max_norm > 0 and self._global_grad_norm > self.max_norm:  # as DeepSpeed's clip_grad_norm_
+            torch._foreach_mul_(grads, self.max_norm / (self._global_grad_norm + 1e-6))
+        return super().step(closure)
 
 
-def _optimizer(params, s: DSSettings, lr: float, betas, weight_decay: float):
+def _clips_itself(s: DSSettings, dtype: torch.dtype) -> bool:
+    """ZeRO-0 without DeepSpeed's bf16 optimizer steps a plain torch optimizer: ours clips there
+    (`_SkipNonfinite`), so that the norm it clips by is kept; DeepSpeed clips everywhere else."""
+    return s.zero_stage == 0 and not (dtype == torch.bfloat16 and not s.autocast)
+
+
+def _optimizer(params, s: DSSettings, dtype: torch.dtype, lr: float, betas, weight_decay: float):
     kwargs = {}
     if s.adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
@@ -200,7 +220,7 @@ def _optimizer(params, s: DSSettings, lr: float, betas, weight_decay: float):
     else:
         cls, kwargs = torch.optim.AdamW, {"fused": torch.cuda.is_available()}
     if s.zero_stage == 0:
-        cls = type(cls.__name__, (_SkipNonfinite, cls), {})
+        cls = type(cls.__name__, (_SkipNonfinite, cls), {"max_norm": s.max_norm if _clips_itself(s, dtype) else 0.0})
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
 
 
@@ -224,7 +244,7 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
             (no_decay if ndim < 2 or "norm" in n.lower() else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
-    opt = _optimizer(groups, s, lr, betas, weight_decay)
+    opt = _optimizer(groups, s, dtype, lr, betas, weight_decay)
     kwargs = {"min_lr_rate": 0.1} if scheduler == "cosine_with_min_lr" else {}
 
     def make_scheduler(wrapped):  # built on DeepSpeed's wrapped optimizer, whose groups it steps

@@ -239,3 +239,52 @@ def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypa
         assert not marker.exists()
     finally:
         sig.signal(sig.SIGTERM, old)
+
+
+GRAD_NORM = r"""
+import json, torch
+from common import ds
+dist = ds.setup_distributed()
+x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+def loss(m, i):
+    return m(x[i]).pow(2).mean() * 100  # gradients far above the clipping norm
+
+# the naive first norm: the plain model, the two micro-batches' mean loss
+m = model()
+((loss(m, 0) + loss(m, 1)) / 2).backward()
+naive = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])).item()
+for stage in (0, 1, 2, 3):
+    s = ds.DSSettings(zero_stage=stage, micro_train_batch_size=1, train_batch_size=2, max_norm=0.05)
+    e = ds.initialize(model(), s, dist, torch.float32, lr=1e-2, total_steps=10, scheduler="linear", warmup_ratio=0.0)
+    norms = []
+    for _ in range(3):
+        for i in range(2):
+            e.backward(loss(e, i))
+            e.step()
+        norms.append(e.get_global_grad_norm())
+    print(json.dumps({"stage": stage, "naive": naive, "norms": [float(n) for n in norms],
+                      "weights": [v.flatten().tolist() for v in ds.full_state_dict(e).values()]}))
+"""
+
+
+def test_grad_norm_is_reported_and_clipped_alike_under_every_zero_stage(tmp_path):
+    """ZeRO-0 steps a plain optimizer, whose gradient norm DeepSpeed never kept (train/grad_norm was None):
+    every stage reports the norm before clipping (the first against a naive computation) and, having
+    clipped by it, ends with the same weights."""
+    code = tmp_path / "norm.py"
+    code.write_text(GRAD_NORM)
+    p = subprocess.run([PY, str(code)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3], p.stdout[-2000:]
+    for r in rows:
+        assert r["norms"][0] == pytest.approx(r["naive"], rel=1e-5), r
+        assert r["norms"][0] > 0.05 * 10, r  # clipping is active in this test
+        assert r["norms"] == pytest.approx(rows[3]["norms"], rel=1e-5), r
+        for w, w3 in zip(r["weights"], rows[3]["weights"]):
+            assert w == pytest.approx(w3, rel=1e-5, abs=1e-7), r["stage"]
