@@ -14,8 +14,8 @@ text no task rule can score, `bench/length_reward.py` for both, on prompts writt
 weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32. On `tiny` ours runs each
 prompt once for its samples (`--share_prompt_prefix`: the same log-probs and gradients, fewer FLOPs;
 prompts of 12-13 tokens, responses of ~3.5) while TRL runs whole rows; `--no-share_prompt_prefix`
-turns it off. GPU shapes leave it off unless asked (not measured there: their prompts are short
-next to 256-token responses).
+turns it off. GPU shapes leave it off unless asked: with their short prompts next to 256-token
+responses it made the 0.5B step slower (docs/performance.md).
 
 Each framework runs in its own subprocess (TRL's accelerate state must never meet our Ray/DeepSpeed
 processes). Ours is read back from its `metrics.jsonl`; TRL's steps are timed by a TrainerCallback
