@@ -91,7 +91,7 @@ def main(
 def train(a: dict) -> None:
     import torch
 
-    from common import ds
+    from common import ds, updates
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import iterate_batches
     from common.preferences import collate_pairs, load_preference_data
@@ -215,11 +215,11 @@ def train(a: dict) -> None:
                                     "(nothing after the last checkpoint was saved)")
             # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
             # its NaN gradients make DeepSpeed skip the update on every rank.
-            engine.backward(ds.poison_nonfinite(loss))
+            engine.backward(updates.poison_nonfinite(loss))
             engine.step()
             sums += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], s["chosen"], s["rejected"],
                                   s["tokens"]], dtype=torch.float64)
-        skipped += ds.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the policy",
+        skipped += updates.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the policy",
                                      fix="Lower the learning rate or check the data (nothing after the last checkpoint "
                                      "was saved)")
         if dist.world_size > 1:

@@ -161,7 +161,7 @@ class ModelWorker(BaseWorker):
         driver's step number); with `skip_nonfinite` that update is skipped instead (the weights stay
         as they were) and its stats say "skipped": 1.
         """
-        from common.ds import poison_nonfinite, update_skipped
+        from common.updates import poison_nonfinite, update_skipped
         from common.errors import TrainingError
 
         at = f"step {step}, " if step is not None else ""

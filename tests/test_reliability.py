@@ -91,7 +91,7 @@ def test_nan_loss_stops_the_run_with_the_step(tmp_path):
 
 SKIP_NONFINITE = r"""
 import json, torch
-from common import ds
+from common import ds, updates
 dist = ds.setup_distributed()
 x = torch.randn(2, 1, 8)
 
@@ -109,7 +109,7 @@ def update(e, fault=None):
         loss = e(x[i].to(e.module[0].weight.dtype)).float().pow(2).mean()
         if fault == "inf_loss" and i == 1:
             loss = loss + float("inf")
-        e.backward(ds.poison_nonfinite(loss))
+        e.backward(updates.poison_nonfinite(loss))
         e.step()
         if hook:
             hook.remove()
