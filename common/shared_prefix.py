@@ -33,10 +33,9 @@ def prompt_lengths(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> t
 def prompt_groups(input_ids: torch.Tensor, plen: torch.Tensor) -> torch.Tensor:
     """Group index of each row: consecutive rows with the same prompt (length and tokens) share one.
     input_ids [b, t], plen [b] -> [b] long, 0 .. G-1 in row order."""
-    P = int(plen.max())
-    cols = torch.arange(P, device=input_ids.device)
-    ids = input_ids[:, :P]
-    same_tokens = ((ids[1:] == ids[:-1]) | (cols[None, :] >= plen[1:, None])).all(1)
+    # over the full width, masked past each prompt: no host sync for the longest prompt (the caller has one)
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+    same_tokens = ((input_ids[1:] == input_ids[:-1]) | (cols[None, :] >= plen[1:, None])).all(1)
     new = torch.ones_like(plen, dtype=torch.bool)
     new[1:] = ~(same_tokens & (plen[1:] == plen[:-1]))
     return new.long().cumsum(0) - 1
