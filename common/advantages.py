@@ -16,21 +16,25 @@ def _f(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str, clamp: float = 10.0) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy. [B, T] -> [B, T].
 
     With log_ratio = logp - ref_logp (Schulman, "Approximating KL divergence"):
     k1 = log_ratio (unbiased, can be negative); k2 = log_ratio^2 / 2 (biased, low variance);
-    k3 = exp(-log_ratio) - 1 + log_ratio (unbiased and never negative).
+    k3 = exp(-log_ratio) - 1 + log_ratio (unbiased and never negative). Each estimate is clamped
+    to [-clamp, clamp], as OpenRLHF does: one token the reference finds near-impossible (k3 grows
+    like exp) would otherwise swamp a sequence's reward.
     """
     log_ratio = _f(logp) - _f(ref_logp)
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return log_ratio ** 2 / 2
-    if kind == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
+        kl = log_ratio
+    elif kind == "k2":
+        kl = log_ratio ** 2 / 2
+    elif kind == "k3":
+        kl = torch.expm1(-log_ratio) + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
+    return kl.clamp(-clamp, clamp)
 
 
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
@@ -87,17 +91,21 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return out
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           std_norm: bool = True) -> torch.Tensor:
     """(x - mean) / std over all valid tokens of the batch; [B, T] -> [B, T], 0 on padding.
 
-    std is the population std (divides by the token count). With `shift_mean=False` the mean is
-    added back, so only the scale changes (keeps the sign of e.g. all-positive returns).
+    std is the population std (divides by the token count), its variance floored at `eps` as
+    OpenRLHF does. `std_norm=False` only subtracts the mean (--no_advantage_std_norm); with
+    `shift_mean=False` the mean is added back, so only the scale changes.
     """
     x, valid = _f(x), mask.bool()
     count = valid.sum().clamp_min(1)
     mean = torch.where(valid, x, 0.0).sum() / count
-    var = torch.where(valid, (x - mean) ** 2, 0.0).sum() / count
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out = x - mean
+    if std_norm:
+        var = torch.where(valid, out ** 2, 0.0).sum() / count
+        out = out * torch.rsqrt(var.clamp_min(eps))
     if not shift_mean:
         out = out + mean
     return torch.where(valid, out, 0.0)
@@ -112,12 +120,13 @@ def _groups(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def group_advantages(
-    scores: torch.Tensor, n: int, kind: str, std_norm: bool = True, eps: float = 1e-6
+    scores: torch.Tensor, n: int, kind: str, std_norm: bool = True, eps: float = 1e-9
 ) -> torch.Tensor:
     """Per-sample advantage from a baseline over its prompt's group. scores: [P * n] -> [P * n].
 
     Scores come in consecutive blocks of n samples per prompt. kind:
-    group_norm: s - group mean, divided by (group std + eps) when `std_norm` (GRPO);
+    group_norm: s - group mean, divided by (group std + eps) when `std_norm` (GRPO; eps 1e-9 as
+    OpenRLHF, TRL uses 1e-4: a group whose scores all tie gets 0 either way);
     dr_grpo: s - group mean, never divided by the std (Dr. GRPO);
     rloo: s - mean of the other n - 1 samples (leave-one-out);
     reinforce_baseline: s - group mean; the caller then whitens over the batch (REINFORCE++-baseline).
@@ -146,3 +155,82 @@ def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
     drops them). scores: [P * n] -> [P] bool."""
     s = _groups(scores, n)
     return (s == s[:, :1]).all(-1)
+
+
+def rl_advantages(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *, estimator: str, n: int, kl_coef: float,
+    gamma: float = 1.0, lambd: float = 1.0, values: torch.Tensor | None = None, std_norm: bool = True,
+    reward_clip: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every estimator's advantages from sequence scores [B] and per-token KL [B, T] -> (advantages,
+    returns), [B, T], 0 on padding. Both RL scripts call this, so their estimators agree.
+
+    1. Group estimators first replace each score by its group-relative value (`group_advantages`;
+       group_norm always divides by the group std, --no_advantage_std_norm does not apply to it).
+    2. The result is clipped to `reward_clip` (--reward_clip_range) and becomes the reward of the
+       sequence's last valid token, with -kl_coef * KL_t on every token t (`token_rewards`).
+    3. gae: GAE over `values` [B, T]; every other estimator: the undiscounted reward-to-go, so token t's
+       advantage is A_seq - kl_coef * sum_{k >= t} KL_k (REINFORCE++, Hu 2025; gamma must be 1
+       for the group estimators, whose A_seq is a sequence-level quantity).
+    4. gae, reinforce and reinforce_baseline are then whitened over the batch's valid tokens
+       (mean only with std_norm False); group_norm, dr_grpo and rloo keep their scale.
+    """
+    if estimator in GROUP_KINDS:
+        if gamma != 1.0:
+            raise ValueError(f"the {estimator} estimator needs gamma 1, got {gamma}")
+        shaped = group_advantages(scores, n, estimator)
+    elif estimator in ("gae", "reinforce"):
+        shaped = _f(scores)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    if reward_clip is not None:
+        shaped = shaped.clamp(*reward_clip)
+    rewards = token_rewards(shaped, kl, mask, kl_coef)
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("gae needs the critic's values")
+        adv, returns = gae(rewards, values, mask, gamma, lambd)
+    else:
+        returns = discounted_returns(rewards, mask, gamma)
+        adv = returns
+    if estimator in ("gae", "reinforce", "reinforce_baseline"):
+        adv = whiten(adv, mask, std_norm=std_norm)
+    return adv, returns
+
+
+def length_penalties(scores: torch.Tensor, response_len: torch.Tensor, truncated: torch.Tensor, *,
+                     max_new_tokens: int, overlong_buffer_len: float | None = None,
+                     overlong_penalty_factor: float = 1.0,
+                     stop_properly_penalty_coef: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Length shaping of scores [B] before any baseline; response_len [B] (tokens), truncated [B] bool.
+
+    DAPO's overlong penalty (Yu et al. 2025): a response longer than max_new_tokens - buffer loses
+    factor * min(excess, buffer) / buffer. ProRL's stop-properly penalty: a truncated response's
+    score is multiplied by the coefficient when it is in [0, 1], or replaced by it when negative.
+    Returns (scores, {"overlong_frac", "truncated_frac"} of the samples each penalty touched).
+    """
+    out, stats = _f(scores).clone(), {}
+    if overlong_buffer_len is not None:
+        excess = (_f(response_len) - (max_new_tokens - overlong_buffer_len)).clamp(max=overlong_buffer_len)
+        hit = excess > 0
+        out = torch.where(hit, out - excess / overlong_buffer_len * overlong_penalty_factor, out)
+        stats["overlong_frac"] = hit.float().mean().item()
+    if stop_properly_penalty_coef is not None:
+        cut = truncated.bool()
+        c = stop_properly_penalty_coef
+        out = torch.where(cut, torch.full_like(out, c) if c < 0 else out * c, out)
+        stats["stop_penalized_frac"] = cut.float().mean().item()
+    return out, stats
+
+
+class KLController:
+    """The KL coefficient: fixed, or adaptive towards `target` (Ziegler et al. 2019), where after
+    each step the coefficient is multiplied by 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon."""
+
+    def __init__(self, init: float, target: float | None = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = init, target, horizon
+
+    def update(self, kl: float, samples: int) -> None:
+        if self.target:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * samples / self.horizon

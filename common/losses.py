@@ -94,40 +94,74 @@ def dpo_loss(
 
 # ---- PPO family ----------------------------------------------------------------------------------
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
-    """Reduce a per-token loss [B, T] to a scalar.
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str, *, step_tokens: float | None = None,
+              step_seqs: float | None = None, norm_len: int | None = None) -> torch.Tensor:
+    """This micro-batch's share of a step's loss: a per-token loss [B, T] -> scalar.
 
-    token_mean: mean over all valid tokens of the batch (long answers weigh more).
-    seq_mean_token_mean: mean over each sequence's tokens, then over sequences (GRPO paper).
-    seq_mean_token_sum_norm: each sequence's token sum divided by the constant T = mask.shape[1],
-    then the mean over sequences (Dr. GRPO: no length bias).
-    The sequence means count only rows with at least one valid token, so padding rows that fill
-    a micro-batch do not dilute the loss.
+    A step's loss is the sum of its micro-batches' shares, averaged over the data-parallel ranks
+    (what DeepSpeed's gradient accumulation and all-reduce compute when each share is backpropagated
+    unscaled). `step_tokens` / `step_seqs` are the step's valid tokens / non-empty sequences over
+    all micro-batches and ranks, divided by the number of ranks (`common.workers` passes them);
+    left out, they are this micro-batch's own, so the share is the micro-batch's mean.
+
+    token_mean: every valid token of the step weighs the same (DAPO; long answers weigh more).
+    seq_mean_token_mean: each sequence's mean over its tokens, averaged over the step's sequences (GRPO paper).
+    seq_mean_token_sum_norm: each sequence's token sum divided by the constant `norm_len` (the
+    generation budget, --generate_max_len; default the mask's width), averaged over the step's
+    sequences (Dr. GRPO: no length bias, and the same constant in every micro-batch and step).
+    Rows without a valid token (padding rows) count in no mean.
     """
-    if agg == "token_mean":
-        return masked_mean(loss, mask)
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGG_MODES)}")
+    if agg == "token_mean":
+        tokens = mask.float().sum().clamp_min(1e-8) if step_tokens is None else max(step_tokens, 1e-8)
+        return masked_sum(loss, mask) / tokens
     if agg == "seq_mean_token_mean":
         per_seq = masked_mean(loss, mask, dim=-1)
     else:
-        per_seq = masked_sum(loss, mask, dim=-1) / mask.shape[1]
-    return masked_mean(per_seq, mask.bool().any(-1))
+        per_seq = masked_sum(loss, mask, dim=-1) / (norm_len or mask.shape[1])
+    rows = mask.bool().any(-1)
+    seqs = rows.float().sum().clamp_min(1e-8) if step_seqs is None else max(step_seqs, 1e-8)
+    return masked_sum(per_seq, rows) / seqs
+
+
+IS_KINDS = ("tis", "icepop", "seq-mask-tis")
 
 
 def sampler_gap(logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
-                is_threshold: float | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
-    """How far the trainer's log-probs of the sampled tokens are from the sampler's (vLLM's).
+                correction: tuple[str, float, float] | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+    """How far the trainer's log-probs of the sampled tokens are from the sampler's (vLLM's), and the
+    importance weights that correct for it.
 
-    logp, gen_logp, mask: [B, T]. Returns ({"logprob_diff": mean |gap|, "prob_ratio": mean
-    exp(gap)[, "is_weight_mean"]}, truncated importance weights exp(gap) clamped at `is_threshold`
-    [B, T], or None without a threshold).
+    logp, gen_logp, mask: [B, T]. `correction` = (kind, low, high) with w = exp(logp - gen_logp):
+    tis: w clamped to [low, high] (truncated IS); icepop: w where low <= w <= high, else 0 (token
+    mask); seq-mask-tis: w, but 0 on whole sequences whose geometric-mean ratio
+    exp(mean_t log w) lies outside [low, high]. Returns ({"logprob_diff": mean |gap|, "prob_ratio":
+    mean exp(gap), "vllm_kl": mean(gen - logp)[, "is_weight_mean", "is_clipped_frac" or
+    "is_masked_frac"]}, weights [B, T] or None without a correction); all means over valid tokens.
     """
-    gap = logp.detach() - gen_logp
-    stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item()}
-    if is_threshold is None:
+    gap = _f(logp.detach()) - _f(gen_logp)
+    stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item(),
+             "vllm_kl": masked_mean(-gap, mask).item()}
+    if correction is None:
         return stats, None
-    weights = gap.exp().clamp(max=is_threshold) * mask
+    kind, low, high = correction
+    w = gap.clamp(max=20.0).exp()  # a gap past e^20 is a broken sampler; keep the weights finite
+    if kind == "tis":
+        weights = w.clamp(low, high)
+        stats["is_clipped_frac"] = masked_mean(((w < low) | (w > high)).float(), mask).item()
+    elif kind == "icepop":
+        keep = (w >= low) & (w <= high)
+        weights = torch.where(keep, w, 0.0)
+        stats["is_masked_frac"] = masked_mean((~keep).float(), mask).item()
+    elif kind == "seq-mask-tis":
+        seq = masked_mean(gap, mask, dim=-1).exp()
+        keep = ((seq >= low) & (seq <= high))[:, None].expand_as(w)
+        weights = torch.where(keep, w, 0.0)
+        stats["is_masked_frac"] = masked_mean((~keep).float(), mask).item()
+    else:
+        raise ValueError(f"unknown IS correction {kind!r}; choose one of {', '.join(IS_KINDS)}")
+    weights = torch.where(mask.bool(), weights, 0.0)
     stats["is_weight_mean"] = masked_mean(weights, mask).item()
     return stats, weights
 
@@ -142,14 +176,21 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token_mean",
     is_weights: torch.Tensor | None = None,
+    loss_type: str = "ppo",
+    gen_logp: torch.Tensor | None = None,
+    **agg_kw,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate with asymmetric clip range (DAPO's clip-higher) and optional dual clip.
+    """PPO clipped surrogate with asymmetric clip range (DAPO's clip-higher) and optional dual clip,
+    or GSPO's sequence-level ratio.
 
-    All tensors [B, T]. ratio = exp(logp - old_logp); per-token loss
-    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A); with `dual_clip` = c > 1 the
-    loss of tokens with A < 0 is further capped at -c * A (Ye et al. 2020), so a huge ratio on a
-    bad token cannot blow up the step. `is_weights` (e.g. truncated importance weights between
-    the rollout engine's and the trainer's log-probs) multiply the per-token loss as constants.
+    All tensors [B, T]. ppo: ratio = exp(logp - old_logp) per token (log-ratio clamped to +-20);
+    gspo (Zheng et al. 2025): one ratio per sequence, exp(mean over its tokens of logp - old_logp),
+    taken against the sampler's log-probs `gen_logp` instead when given (the IS-corrected variant),
+    the same ratio on each of its tokens. Per-token loss -min(ratio * A, clip(ratio, 1 - eps_low,
+    1 + eps_high) * A); with `dual_clip` = c > 1 the loss of tokens with A < 0 is further capped at
+    -c * A (Ye et al. 2020). `is_weights` (sampler_gap's) multiply the per-token loss as constants
+    (ppo only, as OpenRLHF). `agg` and `agg_kw` go to `aggregate`: the result is this micro-batch's
+    share of the step's loss.
 
     Returns (loss, clip_frac, approx_kl), scalars: clip_frac is the fraction of valid tokens where
     the clipped branch set the loss; approx_kl is the k3 estimate of KL(old || new), detached.
@@ -157,8 +198,15 @@ def policy_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     A = _f(advantages)
-    log_ratio = _f(logp) - _f(old_logp)
-    ratio = torch.exp(log_ratio)
+    log_ratio = (_f(logp) - _f(old_logp)).clamp(-20.0, 20.0)
+    if loss_type == "ppo":
+        ratio = torch.exp(log_ratio)
+    elif loss_type == "gspo":
+        seq_lr = log_ratio if gen_logp is None else (_f(logp) - _f(gen_logp)).clamp(-20.0, 20.0)
+        ratio = torch.exp(masked_mean(seq_lr, mask, dim=-1))[:, None].expand_as(A)
+        is_weights = None
+    else:
+        raise ValueError(f"unknown policy loss type {loss_type!r}; choose ppo or gspo")
     surr = ratio * A
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * A
     loss = -torch.minimum(surr, surr_clipped)
@@ -171,7 +219,7 @@ def policy_loss(
         clip_frac = masked_mean(clipped.float(), mask)
         # tokens were sampled from the old policy: k3 = (r - 1) - log r with r = new / old.
         approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
-    return aggregate(loss, mask, agg), clip_frac, approx_kl
+    return aggregate(loss, mask, agg, **agg_kw), clip_frac, approx_kl
 
 
 def value_loss(
@@ -180,8 +228,10 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     value_clip: float | None,
+    **agg_kw,
 ) -> torch.Tensor:
-    """0.5 * masked mean of the squared error to the returns; all [B, T] -> scalar.
+    """0.5 * the token mean of the squared error to the returns; all [B, T] -> scalar (this
+    micro-batch's share of the step's token mean: `aggregate`'s token_mean with `agg_kw`).
 
     With `value_clip` = c the new value may move at most c from the rollout's value before the
     error stops shrinking: max((v - R)^2, (old + clip(v - old, -c, c) - R)^2).
@@ -192,4 +242,4 @@ def value_loss(
         old = _f(old_values)
         v_clipped = old + torch.clamp(v - old, -value_clip, value_clip)
         err = torch.maximum(err, (v_clipped - R) ** 2)
-    return 0.5 * masked_mean(err, mask)
+    return 0.5 * aggregate(err, mask, "token_mean", **agg_kw)

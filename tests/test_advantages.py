@@ -42,8 +42,10 @@ def test_kl_estimators_match_formulas():
         got = A.kl_estimate(logp, ref, kind)
         for b in range(logp.shape[0]):
             for t in range(T):
-                assert got[b, t].item() == pytest.approx(f(float(logp[b, t] - ref[b, t])), abs=1e-5)
+                # clamped to [-10, 10], as OpenRLHF: one near-impossible token must not swamp the reward
+                assert got[b, t].item() == pytest.approx(min(max(f(float(logp[b, t] - ref[b, t])), -10), 10), abs=1e-5)
     assert (A.kl_estimate(logp, ref, "k3") >= 0).all()
+    assert A.kl_estimate(torch.tensor([[0.0]]), torch.tensor([[-30.0]]), "k1").item() == 10.0
     assert A.kl_estimate(logp, logp, "k3").abs().max() == 0
     with pytest.raises(ValueError, match="k3"):
         A.kl_estimate(logp, ref, "k4")
@@ -124,6 +126,8 @@ def test_whiten_matches_naive(shift_mean):
     mean, std = statistics.fmean(flat), statistics.pstdev(flat)
     ref = [[(v - mean) / std + (0 if shift_mean else mean) for v in row] for row in rows(x)]
     assert_rows(got, ref)
+    # --no_advantage_std_norm: the mean only
+    assert_rows(A.whiten(x, mask, std_norm=False), [[v - mean for v in row] for row in rows(x)])
     # one valid token: zero variance gives 0, not NaN
     one = A.whiten(torch.tensor([[4.0, 1.0]]), torch.tensor([[1, 0]]))
     assert one.tolist() == [[0.0, 0.0]]
@@ -135,7 +139,7 @@ def test_group_kinds_on_hand_example():
     s = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     std = statistics.stdev([1, 0, 0, 1])  # unbiased: sqrt(1/3)
     g = A.group_advantages(s, 4, "group_norm")
-    a = 0.5 / (std + 1e-6)
+    a = 0.5 / (std + 1e-9)  # OpenRLHF's epsilon
     assert g.tolist() == pytest.approx([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
     half = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
     assert A.group_advantages(s, 4, "group_norm", std_norm=False).tolist() == pytest.approx(half)
@@ -159,7 +163,7 @@ def test_group_advantages_match_naive(kind):
             if kind == "rloo":
                 ref = x - (sum(g) - x) / (n - 1)
             elif kind == "group_norm":
-                ref = (x - mean) / (statistics.stdev(g) + 1e-6)
+                ref = (x - mean) / (statistics.stdev(g) + 1e-9)
             else:
                 ref = x - mean
             assert got[p * n + i].item() == pytest.approx(ref, abs=1e-5)
@@ -179,3 +183,99 @@ def test_group_all_equal():
     s = torch.tensor([0.5, 0.5, 0.2, 0.3, 0.0, 0.0])
     assert A.group_all_equal(s, 2).tolist() == [True, False, True]
     assert A.group_all_equal(s, 1).tolist() == [True] * 6
+
+
+# ---- every estimator end to end: scores and KL in, token advantages out (rl_advantages) ----------
+
+def _naive_estimator(scores, kl, lengths, *, estimator, n, beta, clip=(-10.0, 10.0), std_norm=True,
+                     values=None, gamma=1.0, lambd=1.0):
+    """The papers' formulas as loops: a sequence-level advantage A_i (GRPO: (r - mean) / (std + eps);
+    Dr. GRPO and REINFORCE++-baseline: r - mean; RLOO: r - mean of the others; reinforce/gae: r),
+    clipped, then token t's advantage A_i - beta * sum_{k >= t} KL_k (REINFORCE++: the KL is a
+    per-token reward and the return accumulates it to the end), or GAE on the per-token rewards;
+    gae, reinforce and reinforce_baseline are then whitened over all valid tokens."""
+    B = len(lengths)
+    seq = []
+    for i in range(B):
+        g = [float(x) for x in scores[(i // n) * n:(i // n + 1) * n]]
+        r, mean = float(scores[i]), statistics.fmean(g)
+        if estimator == "group_norm":
+            a = (r - mean) / (statistics.stdev(g) + 1e-9)
+        elif estimator in ("dr_grpo", "reinforce_baseline"):
+            a = r - mean
+        elif estimator == "rloo":
+            a = r - (sum(g) - r) / (n - 1)
+        else:
+            a = r
+        seq.append(min(max(a, clip[0]), clip[1]))
+    out = []
+    for i, L in enumerate(lengths):
+        rew = [-beta * float(kl[i, t]) for t in range(L)]
+        if L:
+            rew[-1] += seq[i]
+        if estimator == "gae":
+            v = [float(values[i, t]) for t in range(L)] + [0.0]
+            adv, run = [0.0] * L, 0.0
+            for t in reversed(range(L)):
+                run = rew[t] + gamma * v[t + 1] - v[t] + gamma * lambd * run
+                adv[t] = run
+        else:
+            adv = [sum(gamma ** (k - t) * rew[k] for k in range(t, L)) for t in range(L)]
+        out.append(adv)
+    if estimator in ("gae", "reinforce", "reinforce_baseline"):
+        flat = [x for row in out for x in row]
+        mean, std = statistics.fmean(flat), statistics.pstdev(flat)
+        out = [[(x - mean) / (std if std_norm else 1.0) if std_norm else x - mean for x in row] for row in out]
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce", "gae"])
+def test_every_estimator_puts_the_kl_in_the_token_rewards_and_accumulates_it(estimator):
+    n, lengths = 4, [6, 1, 4, 3, 5, 2, 6, 0]
+    mask = make_mask(lengths)
+    scores, kl, values = torch.rand(len(lengths)) * 2, rand8() * 0.3, rand8()
+    kl[mask == 0] = float("nan")  # padding garbage must not leak
+    got, returns = A.rl_advantages(scores, kl, mask, estimator=estimator, n=n, kl_coef=0.1, values=values, lambd=0.9)
+    ref = _naive_estimator(scores, kl, lengths, estimator=estimator, n=n, beta=0.1, values=values, lambd=0.9)
+    assert_rows(got, ref, atol=1e-4)
+    if estimator == "group_norm":  # the sequence advantage minus the KL still to come, token by token
+        i = 0
+        a_seq = ref[i][0] + 0.1 * sum(float(kl[i, k]) for k in range(lengths[i]))
+        assert ref[i][-1] == pytest.approx(a_seq - 0.1 * float(kl[i, lengths[i] - 1]), abs=1e-6)
+
+
+def rand8():
+    return torch.randn(8, T)
+
+
+def test_reward_clip_and_std_norm_and_gamma():
+    n, lengths = 2, [3, 2, 4, 1]
+    mask, kl = make_mask(lengths), torch.zeros(4, T)
+    scores = torch.tensor([30.0, -30.0, 1.0, 0.0])
+    got, _ = A.rl_advantages(scores, kl, mask, estimator="reinforce", n=n, kl_coef=0.0, reward_clip=(-5.0, 5.0),
+                             std_norm=False)
+    assert_rows(got, _naive_estimator(scores, kl, lengths, estimator="reinforce", n=n, beta=0.0, clip=(-5, 5),
+                                      std_norm=False))
+    with pytest.raises(ValueError, match="gamma 1"):
+        A.rl_advantages(scores, kl, mask, estimator="group_norm", n=n, kl_coef=0.0, gamma=0.9)
+
+
+def test_length_penalties_match_dapo_and_prorl():
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    lens, cut = torch.tensor([10, 14, 20, 16]), torch.tensor([False, False, True, True])
+    got, stats = A.length_penalties(scores, lens, cut, max_new_tokens=16, overlong_buffer_len=4, overlong_penalty_factor=2.0)
+    # expected length 12: 10 -> no penalty; 14 -> 2/4 * 2; 20 -> capped at 4/4 * 2; 16 -> 4/4 * 2
+    assert got.tolist() == pytest.approx([1.0, 0.0, -1.0, -1.5]) and stats["overlong_frac"] == 0.75
+    assert A.length_penalties(scores, lens, cut, max_new_tokens=16, stop_properly_penalty_coef=0.5)[0].tolist() == \
+        pytest.approx([1.0, 1.0, 0.5, 0.25])
+    assert A.length_penalties(scores, lens, cut, max_new_tokens=16, stop_properly_penalty_coef=-0.5)[0].tolist() == \
+        pytest.approx([1.0, 1.0, -0.5, -0.5])
+
+
+def test_adaptive_kl_controller():
+    c = A.KLController(0.1, target=0.05, horizon=1000)
+    c.update(0.1, 100)  # twice the target: +0.2 (clipped) * 100 / 1000
+    assert c.value == pytest.approx(0.1 * 1.02)
+    fixed = A.KLController(0.1)
+    fixed.update(5.0, 100)
+    assert fixed.value == 0.1

@@ -230,15 +230,66 @@ def test_value_loss_matches_naive():
         assert L.value_loss(v, old, R, mask, clip).item() == pytest.approx(0.5 * sum(errs) / len(errs), abs=1e-5)
 
 
-def test_sampler_gap_matches_a_loop_over_valid_tokens():
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_sampler_gap_and_is_corrections_match_a_loop_over_valid_tokens(kind):
     torch.manual_seed(3)
-    logp, gen = -torch.rand(3, 5) * 4, -torch.rand(3, 5) * 4
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
+    logp, gen = -torch.rand(4, 5) * 2, -torch.rand(4, 5) * 2
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
     gen[mask == 0] = 0.0  # what make_batch leaves at padding
-    stats, w = L.sampler_gap(logp, gen, mask, is_threshold=2.0)
-    pairs = [(float(logp[i, t]), float(gen[i, t])) for i in range(3) for t in range(5) if mask[i, t]]
+    low, high = 0.5, 2.0
+    stats, w = L.sampler_gap(logp, gen, mask, (kind, low, high))
+    pairs = [(float(logp[i, t]), float(gen[i, t])) for i in range(4) for t in range(5) if mask[i, t]]
     assert stats["logprob_diff"] == pytest.approx(sum(abs(a - b) for a, b in pairs) / len(pairs), rel=1e-5)
     assert stats["prob_ratio"] == pytest.approx(sum(math.exp(a - b) for a, b in pairs) / len(pairs), rel=1e-5)
-    assert stats["is_weight_mean"] == pytest.approx(sum(min(math.exp(a - b), 2.0) for a, b in pairs) / len(pairs), rel=1e-5)
-    assert float(w.max()) <= 2.0 and float(w[mask == 0].abs().sum()) == 0.0
+    assert stats["vllm_kl"] == pytest.approx(sum(b - a for a, b in pairs) / len(pairs), rel=1e-5)
+    for i in range(4):  # the weights, token by token (OpenRLHF's tis / icepop / seq-mask-tis)
+        toks = [t for t in range(5) if mask[i, t]]
+        seq_ratio = math.exp(sum(float(logp[i, t] - gen[i, t]) for t in toks) / len(toks))
+        for t in range(5):
+            r = math.exp(float(logp[i, t] - gen[i, t]))
+            if not mask[i, t]:
+                ref = 0.0
+            elif kind == "tis":
+                ref = min(max(r, low), high)
+            elif kind == "icepop":
+                ref = r if low <= r <= high else 0.0
+            else:
+                ref = r if low <= seq_ratio <= high else 0.0
+            assert float(w[i, t]) == pytest.approx(ref, rel=1e-5)
+    assert 0 < (stats.get("is_clipped_frac") or stats.get("is_masked_frac")) < 1  # the bounds bite here
     assert L.sampler_gap(logp, gen, mask)[1] is None and "is_weight_mean" not in L.sampler_gap(logp, gen, mask)[0]
+
+
+def test_gspo_uses_one_geometric_mean_ratio_per_sequence():
+    """GSPO (Zheng et al. 2025): s_i = exp(mean_t (logp - old)); loss_i = -min(s_i A_i, clip(s_i) A_i),
+    each sequence's mean over its tokens, then the mean over sequences."""
+    lengths = [3, 5, 1]
+    mask = make_mask(lengths, 5)
+    logp = (torch.randn(3, 5) * 0.2).requires_grad_()
+    old, gen = torch.randn(3, 5) * 0.2, torch.randn(3, 5) * 0.2
+    A = torch.tensor([1.0, -2.0, 0.5])[:, None].expand(3, 5)
+    for ref_lp in (None, gen):
+        loss, _, _ = L.policy_loss(logp, old, A, mask, 0.2, 0.3, agg="seq_mean_token_mean", loss_type="gspo", gen_logp=ref_lp)
+        base = old if ref_lp is None else gen
+        naive = 0.0
+        for i, n in enumerate(lengths):
+            s = torch.exp(sum(logp[i, t] - base[i, t] for t in range(n)) / n)
+            a = float(A[i, 0])
+            naive = naive + -torch.minimum(s * a, s.clamp(0.8, 1.3) * a) / len(lengths)
+        assert loss.item() == pytest.approx(naive.item(), abs=1e-6)
+        g1, = torch.autograd.grad(loss, logp)
+        g2, = torch.autograd.grad(naive, logp)
+        assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_aggregate_with_the_step_counts_gives_shares_that_add_up():
+    """Two micro-batches of different widths: with the step's counts their shares add up to the
+    whole batch's loss in every mode (Dr. GRPO's constant divisor included)."""
+    loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 0.0, 0.0, 0.0], [7.0, 5.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    for mode in L.AGG_MODES:
+        whole = L.aggregate(loss, mask, mode, norm_len=8)
+        counts = dict(step_tokens=float(mask.sum()), step_seqs=3.0, norm_len=8)
+        parts = L.aggregate(loss[:1], mask[:1], mode, **counts) + L.aggregate(loss[1:, :2], mask[1:, :2], mode, **counts)
+        assert parts.item() == pytest.approx(whole.item()), mode
+    assert L.aggregate(loss, mask, "seq_mean_token_sum_norm", norm_len=8).item() == pytest.approx((10 + 10 + 12) / 8 / 3)
