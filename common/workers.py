@@ -8,11 +8,13 @@ micro-batches and, for trained roles, optimizer steps with a loss function that 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from common.ray_groups import BaseWorker
+from common.weight_sender import WeightSender
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,14 @@ class ModelSpec:
     packing: bool = False
     share_prefix: bool = False   # causal LMs: each prompt runs once for its consecutive rows (common.shared_prefix)
     static_cache: bool = False   # generate with transformers' static (compiled on GPU) KV cache
+    value_head_prefix: str = "score"  # value models: the head's name when the folder's config does not say
+    normalize_reward: bool = False    # value models: (v - mean) / std with the folder's recorded statistics
+    offload: bool = False        # frozen models on a GPU: weights kept in CPU memory (--ref_reward_offload)
+    liger: bool = False          # causal LMs: liger-kernel's fused kernels on a GPU (--use_liger_kernel)
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
 
 
-class ModelWorker(BaseWorker):
+class ModelWorker(WeightSender, BaseWorker):
     def setup(self, spec: ModelSpec) -> dict:
         from common import ds
         from common.models import attn_implementation, load_causal_lm, load_reward_model, load_tokenizer
@@ -46,22 +52,45 @@ class ModelWorker(BaseWorker):
         self.attn = attn
         self.tokenizer = load_tokenizer(spec.path)
         settings = spec.ds
-        cfg = ds.train_config(settings, self.dist.world_size, self.dtype) if spec.trainable else ds.eval_config(settings, self.dtype)
+        offload = spec.offload and not spec.trainable and self.dist.device.type == "cuda"  # on a CPU they are there anyway
+        cfg = ds.train_config(settings, self.dist.world_size, self.dtype) if spec.trainable else ds.eval_config(settings, self.dtype, offload)
         _keep = ds.zero3_loading(cfg)  # noqa: F841  (must outlive from_pretrained)
         load_dtype = torch.float32 if spec.trainable else self.dtype
+        liger_note = None
         if spec.kind == "causal_lm":
             model = load_causal_lm(spec.path, dtype=load_dtype, attn_impl=attn)
+            if spec.liger:
+                from common.liger import apply_liger
+
+                liger_note = apply_liger(model, self.dist.device)
         else:
-            model = load_reward_model(spec.path, dtype=load_dtype, attn_impl=attn, pad_token_id=self.tokenizer.pad_token_id)
+            model = load_reward_model(spec.path, dtype=load_dtype, attn_impl=attn, pad_token_id=self.tokenizer.pad_token_id,
+                                      value_head_prefix=spec.value_head_prefix, normalize_reward=spec.normalize_reward)
         if spec.trainable:
             self.model = ds.initialize(model, settings, self.dist, self.dtype, **spec.optim)
         else:
-            self.model = ds.initialize_eval(model, settings, self.dtype, self.dist.device)
+            self.model = ds.initialize_eval(model, settings, self.dtype, self.dist.device, offload=offload)
+        # ZeRO-3 streams offloaded shards in by itself; a whole model in CPU memory visits the GPU per batch
+        self._visits = offload and settings.zero_stage != 3
         zero = ds.zero_note(settings.zero_stage, self.dist.world_size, self.dist.device) if spec.trainable else None
-        return {"notes": [n for n in (dtype_note, attn_note, zero) if n], "device": str(self.dist.device),
+        cpu = "--ref_reward_offload: on the CPU the frozen models are in CPU memory anyway" if spec.offload and not offload else None
+        return {"notes": [n for n in (dtype_note, attn_note, zero, cpu, liger_note) if n], "device": str(self.dist.device),
                 "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())}
 
     # ---------------------------------------------------------------- forward passes
+    @contextmanager
+    def _on_device(self):
+        """An offloaded frozen model under ZeRO 0-2 comes to the GPU for one batch's forward passes."""
+        if not getattr(self, "_visits", False):
+            yield
+            return
+        self.model.to(self.dist.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
     def _to(self, batch: dict) -> dict:
         return {k: v.to(self.dist.device) for k, v in batch.items()}
 
@@ -115,8 +144,9 @@ class ModelWorker(BaseWorker):
     def logprobs(self, batch: dict, micro_batch: int) -> torch.Tensor:
         """[n, T-1] log-probs of this rank's shard (zeros off the action mask)."""
         self.model.eval()
-        out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
-               for _, m in self._micro_batches(batch, micro_batch)]
+        with self._on_device():
+            out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
+                   for _, m in self._micro_batches(batch, micro_batch)]
         return torch.cat(out) * batch["action_mask"]
 
     @torch.no_grad()
@@ -132,8 +162,9 @@ class ModelWorker(BaseWorker):
         from common.models import reward_scores
 
         self.model.eval()
-        return torch.cat([reward_scores(self.model, m["input_ids"], m["attention_mask"]).float().cpu()
-                          for _, m in self._micro_batches(batch, micro_batch)])
+        with self._on_device():
+            return torch.cat([reward_scores(self.model, m["input_ids"], m["attention_mask"]).float().cpu()
+                              for _, m in self._micro_batches(batch, micro_batch)])
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: dict, seed: int):
@@ -156,7 +187,13 @@ class ModelWorker(BaseWorker):
         """`steps` optimizer steps over this rank's shard, split evenly; returns one stats dict per step.
 
         loss_fn(out, micro) -> (loss, stats): `out` is {"logprobs": [b, t-1], "entropy": ...} for a
-        causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors.
+        causal LM, {"values": [b, t-1]} for a value model; `micro` holds the micro-batch's tensors
+        and the step's "step_tokens" / "step_seqs": its valid action tokens and non-empty rows over
+        all micro-batches and data-parallel ranks, divided by the number of ranks. `loss` is the
+        micro-batch's share of the step's loss (`common.losses.aggregate` with those counts): the
+        shares are backpropagated as they are, so the step's gradient is that of their sum,
+        averaged over the ranks. Stats whose name ends in "_loss" are such shares and are summed
+        over the micro-batches; the others are averaged.
         A non-finite loss or gradient raises TrainingError naming the role and `step` (the
         driver's step number); with `skip_nonfinite` that update is skipped instead (the weights stay
         as they were) and its stats say "skipped": 1.
@@ -177,7 +214,9 @@ class ModelWorker(BaseWorker):
             part = {k: v[bounds[s]:bounds[s + 1]] for k, v in batch.items()}
             acc: dict[str, float] = {}
             micros = [m for _, m in self._micro_batches(part, micro_batch)]
+            tokens, seqs = self._step_counts(part["action_mask"])
             for j, micro in enumerate(micros):
+                micro["step_tokens"], micro["step_seqs"] = tokens, seqs
                 if output == "logprobs":
                     lp, ent = self._token_logprobs(micro, entropy)
                     out = {"logprobs": lp, "entropy": ent}
@@ -191,14 +230,14 @@ class ModelWorker(BaseWorker):
                 self.model.set_gradient_accumulation_boundary(j == len(micros) - 1)
                 # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
                 # its NaN gradients make DeepSpeed skip the update on every rank.
-                self.model.backward(poison_nonfinite(loss) * (gas / len(micros)))  # DeepSpeed divides by gas
+                self.model.backward(poison_nonfinite(loss) * gas)  # DeepSpeed divides by gas; shares add up
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
             skipped = update_skipped(self.model, allow=skip_nonfinite, who=f"{at}optimizer step {s + 1} of {steps}: "
                                      f"the {self.role}", fix="Lower the learning rate or check the rewards")
             n_micro = len(micros)
-            stats = {k: v / n_micro for k, v in acc.items()}
+            stats = {k: v if k.endswith("_loss") else v / n_micro for k, v in acc.items()}
             stats["skipped"] = float(skipped)
             norm = self.model.get_global_grad_norm()
             stats["grad_norm"] = float(norm) if norm is not None else float("nan")
@@ -206,6 +245,19 @@ class ModelWorker(BaseWorker):
             stats["step_s"] = time.perf_counter() - t0
             history.append(stats)
         return history
+
+    def _step_counts(self, action_mask: torch.Tensor) -> tuple[float, float]:
+        """(valid tokens, non-empty rows) of one optimizer step over all ranks, per rank: the
+        denominators that make a token or sequence mean span the whole step (DAPO's token-level
+        loss), not each micro-batch or rank on its own."""
+        import torch.distributed as dist
+
+        counts = torch.tensor([action_mask.sum(), action_mask.bool().any(-1).sum()], dtype=torch.float64)
+        world = self.dist.world_size
+        if world > 1:
+            counts = counts.to(self.dist.device)
+            dist.all_reduce(counts)
+        return float(counts[0]) / world, float(counts[1]) / world
 
     # ---------------------------------------------------------------- hybrid engine (GPU)
     def offload_states(self) -> float:
@@ -235,68 +287,13 @@ class ModelWorker(BaseWorker):
 
         ds.save_hf(self.model, self.tokenizer, path, self.dist.rank)
 
-    def save_checkpoint(self, root: str, step: int, state: dict, max_keep: int) -> str:
+    def save_checkpoint(self, root: str, step: int, state: dict, max_keep: int, hf_copy: bool = False) -> str:
         from common.checkpoint import save_checkpoint
 
-        return save_checkpoint(root, step, {self.role: self.model}, state, rank=self.dist.rank, max_keep=max_keep)
+        return save_checkpoint(root, step, {self.role: self.model}, state, rank=self.dist.rank, max_keep=max_keep,
+                               hf_tokenizer=self.tokenizer if hf_copy else None)
 
     def load_checkpoint(self, path: str) -> dict:
         from common.checkpoint import load_checkpoint
 
         return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
-
-    # ---------------------------------------------------------------- weight sync to vLLM (common.weight_sync)
-    def _named_params(self) -> list:
-        return list(getattr(self.model, "module", self.model).named_parameters())
-
-    def weight_plan(self, bucket_mb: float) -> list:
-        """The buckets `send_weights` will send, in order (ZeRO-3 shapes are the full ones)."""
-        from common.weight_sync import plan_buckets
-
-        named = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self._named_params()]
-        return plan_buckets(named, bucket_mb, self.dtype)
-
-    def sync_address(self) -> tuple[str, int]:
-        import ray
-
-        from common.ray_groups import _free_port
-
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        from common.weight_sync import join_group
-
-        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
-
-    def send_weights(self, transport: str, buckets: list, senders: int = 1) -> list:
-        """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.
-        Returns the payloads: object refs ("ray"), (this GPU's UUID, IPC handles) ("cuda_ipc": ranks
-        below `senders` share a copy each, for the engine worker on their GPU) or nothing (broadcast)."""
-        import deepspeed
-        import ray
-
-        from common import weight_sync as ws
-
-        params = dict(self._named_params())
-        device = self.dist.device if transport in ("nccl", "cuda_ipc") else torch.device("cpu")
-        out, self._sync_keep = [], []
-        for bucket in buckets:  # weight_plan's, as the engines expect them
-            group = [params[n] for n in bucket.names]
-            with deepspeed.zero.GatheredParameters(group, enabled=hasattr(group[0], "ds_id")):
-                flat = ws.pack(group, self.dtype, device) if self.dist.rank < senders else None
-            if flat is None:
-                continue
-            if transport == "ray":
-                out.append(ray.put(flat))
-            elif transport == "cuda_ipc":
-                self._sync_keep.append(flat)  # alive until the engines have loaded (release_sync_buffers)
-                out.append(ws.share(flat))
-            else:
-                ws.broadcast(self._sync_group, flat)
-        if transport == "cuda_ipc" and out:
-            torch.cuda.current_stream().synchronize()  # the engines read what the copies wrote
-            return str(torch.cuda.get_device_properties(self.dist.device).uuid), out
-        return out
-
-    def release_sync_buffers(self) -> None:
-        self._sync_keep = []
