@@ -24,10 +24,13 @@ __all__ = ["load_rows", "PromptExample", "build_prompts", "epoch_order", "iterat
 _JSON_CONTAINER_KEYS = ("data", "train")
 
 
-def load_rows(source: str, *, split: str = "train", max_samples: int | None = None) -> list[dict]:
+def load_rows(source: str, *, split: str = "train", max_samples: int | None = None,
+              data_dir: str | None = None) -> list[dict]:
     """Rows of a .jsonl/.json/.parquet/.csv file, a `save_to_disk` folder, or a hub dataset id.
 
-    `max_samples` keeps the first N rows (files are read only that far where the format allows).
+    `max_samples` keeps the first N rows (files are read only that far where the format allows);
+    `data_dir` is `datasets.load_dataset`'s, for a hub id or a folder of data files (OpenRLHF's
+    `name@data_dir`). Several sources mixed into one: `common.blend`.
     """
     if os.path.isfile(source):
         ext = os.path.splitext(source)[1].lower()
@@ -41,13 +44,13 @@ def load_rows(source: str, *, split: str = "train", max_samples: int | None = No
         except UnicodeDecodeError as e:
             raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif os.path.isdir(source):
-        rows = _read_folder(source, split, max_samples)
+        rows = _read_folder(source, split, max_samples, data_dir)
     elif os.path.splitext(source)[1].lower() in (".jsonl", ".json", ".parquet", ".csv"):
         raise UserError(f"{source}: file not found")
     elif source.startswith(("/", ".", "~")) or source.count("/") > 1:  # hub ids are "org/name"
         raise UserError(f"{source}: no such file or folder (and not a hub id like 'org/name')")
     else:
-        rows = _read_hub(source, split, max_samples)
+        rows = _read_hub(source, split, max_samples, data_dir=data_dir)
     if max_samples is not None:
         rows = rows[:max_samples]
     if not rows:
@@ -84,7 +87,7 @@ def _read_json(path: str, split: str, max_samples: int | None) -> list[dict]:
         raise UserError(f"{path}: not valid JSON ({e.msg}, line {e.lineno} column {e.colno})") \
             from None
     if isinstance(data, dict):
-        for key in (*_JSON_CONTAINER_KEYS, split):
+        for key in (split, *_JSON_CONTAINER_KEYS):  # the asked-for split first: {"train": .., "test": ..}
             if isinstance(data.get(key), list):
                 data = data[key]
                 break
@@ -126,12 +129,12 @@ def _read_csv(path: str, split: str, max_samples: int | None) -> list[dict]:
     return rows
 
 
-def _read_folder(path: str, split: str, max_samples: int | None) -> list[dict]:
+def _read_folder(path: str, split: str, max_samples: int | None, data_dir: str | None = None) -> list[dict]:
     import datasets
 
     saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
     if not saved:  # a folder of data files: let `datasets` pick the builder
-        return _read_hub(path, split, max_samples, local=True)
+        return _read_hub(path, split, max_samples, local=True, data_dir=data_dir)
     try:
         ds = datasets.load_from_disk(path)
     except Exception as e:  # a half-copied folder fails in many ways inside `datasets`
@@ -143,11 +146,12 @@ def _read_folder(path: str, split: str, max_samples: int | None) -> list[dict]:
     return _to_rows(ds, max_samples)
 
 
-def _read_hub(source: str, split: str, max_samples: int | None, local: bool = False) -> list[dict]:
+def _read_hub(source: str, split: str, max_samples: int | None, local: bool = False,
+              data_dir: str | None = None) -> list[dict]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(source, split=split)
+        ds = datasets.load_dataset(source, split=split, data_dir=data_dir)
     except Exception as e:  # offline, unknown id, unknown split, bad files: all end the same way
         where = ("exists but `datasets` cannot load it" if local else
                  "does not exist locally and could not be fetched from the hub")

@@ -51,3 +51,30 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, flash: bool =
         causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
         mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
     return Packed(ids, pos[None], mask, starts, lengths, input_ids.shape[1])
+
+
+# ---- preference pairs (train_rm.py, train_dpo.py): chosen and rejected rows packed into one ----------
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, packing: bool,
+                     flash: bool = False) -> torch.Tensor:
+    """The scalar head at each right-padded row's last real token: [b, t] -> [b] fp32, with or without packing."""
+    from common.models import reward_scores, token_values
+
+    if not packing:
+        return reward_scores(model, input_ids, attention_mask)
+    p = pack(input_ids, attention_mask, flash=flash)
+    values = token_values(model, **p.model_inputs())  # [1, L]
+    return values[0, p.starts + p.lengths - 1]
+
+
+def next_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, packing: bool,
+                        flash: bool = False) -> torch.Tensor:
+    """log pi(input_ids[:, 1:]) of right-padded rows: [b, t] -> [b, t-1] (zeros past a row's end when packed)."""
+    from common.logprobs import token_logprobs
+
+    if not packing:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    p = pack(input_ids, attention_mask, flash=flash)
+    logits = model(**p.model_inputs()).logits  # [1, L, V]: no padding positions at all
+    return p.unpack_next_token(token_logprobs(logits[:, :-1], p.input_ids[:, 1:]))

@@ -9,10 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from common.data import load_rows
 from common.errors import UserError
-from common.prompts import (as_text_or_messages, encode, field, needs_template, render_chat, render_response,
-                            type_name, user_turn)
+from common.prompts import (as_text_or_messages, encode, field, fill_template, needs_template, render_chat,
+                            render_response, type_name, user_turn)
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,8 @@ class PreferencePair:
 def build_preference_pairs(rows: list[dict], source: str, tokenizer, *, chosen_key: str = "chosen",
                            rejected_key: str = "rejected", prompt_key: str | None = None,
                            apply_chat_template: bool = False, max_len: int = 512,
-                           margin_key: str = "margin") -> tuple[list[PreferencePair], int]:
+                           margin_key: str = "margin", input_template: str | None = None
+                           ) -> tuple[list[PreferencePair], int]:
     """Tokenized (prompt, chosen, rejected) triples; the second value (rows dropped) is always 0.
 
     Rows hold chosen/rejected as strings (with an optional `prompt_key` string or message list),
@@ -34,7 +34,8 @@ def build_preference_pairs(rows: list[dict], source: str, tokenizer, *, chosen_k
     same on both sides), or as the assistant turn alone beside a `prompt_key` (TRL's
     conversational form). Truncation never drops a pair: each response keeps at least
     max_len // 2 tokens (more when the prompt is shorter) with eos last, then the prompt is cut
-    from the left so prompt + longer response fits in `max_len`.
+    from the left so prompt + longer response fits in `max_len`. Without the chat template,
+    `input_template` ("Q: {}\nA: ") wraps a string prompt.
     """
     if max_len < 4:
         raise UserError(f"--max_len {max_len} is too small for a prompt and a response; use >= 4")
@@ -45,7 +46,7 @@ def build_preference_pairs(rows: list[dict], source: str, tokenizer, *, chosen_k
     for i, row in enumerate(rows, start=1):
         where = f"{source}, row {i}"
         prompt, chosen, rejected = _pair_texts(row, where, tokenizer, chosen_key, rejected_key,
-                                               prompt_key, apply_chat_template)
+                                               prompt_key, apply_chat_template, input_template)
         p = encode(tokenizer, prompt) if prompt else []
         c, r = (_with_eos(encode(tokenizer, t), eos) for t in (chosen, rejected))
         keep = max(max_len // 2, max_len - len(p))
@@ -55,7 +56,8 @@ def build_preference_pairs(rows: list[dict], source: str, tokenizer, *, chosen_k
     return pairs, 0
 
 
-def _pair_texts(row, where, tokenizer, chosen_key, rejected_key, prompt_key, apply_chat_template):
+def _pair_texts(row, where, tokenizer, chosen_key, rejected_key, prompt_key, apply_chat_template,
+                input_template=None):
     """(prompt text, chosen response text, rejected response text) of one row."""
     chosen = as_text_or_messages(field(row, chosen_key, "--chosen_key", where), chosen_key, where)
     rejected = as_text_or_messages(field(row, rejected_key, "--rejected_key", where),
@@ -72,7 +74,7 @@ def _pair_texts(row, where, tokenizer, chosen_key, rejected_key, prompt_key, app
         key = prompt_key if isinstance(chosen, str) else chosen_key
         raise needs_template(key, where)
     if not apply_chat_template:
-        return prompt or "", chosen, rejected
+        return fill_template(input_template, prompt) if prompt else "", chosen, rejected
 
     if isinstance(chosen, str):
         prompt_msgs = user_turn(prompt) if prompt is not None else []
@@ -120,18 +122,28 @@ def _margin(row: dict, key: str, where: str) -> float | None:
 
 
 def load_preference_data(dataset: str | None, eval_dataset: str | None, tokenizer, *, max_samples: int | None,
+                         dataset_probs: str | None = None, dataset_split: str = "train", eval_split: str = "test",
+                         default_eval_split: str = "test", seed: int = 42,
                          **keys) -> tuple[list[PreferencePair], str, list[PreferencePair], str | None]:
-    """(train pairs, source, eval pairs, source): the built-in copy task when `dataset` is None."""
+    """(train pairs, source, eval pairs, source): the built-in copy task when `dataset` is None.
+
+    `dataset` and `eval_dataset` may name several sources, comma-separated; the training sources are
+    mixed with `dataset_probs` (seeded by `seed`), the held-out ones concatenated (`common.blend`)."""
+    from common.blend import EVAL_FLAGS, load_mixture
+
     if dataset is None:  # chat messages with their own keys
         from common.tasks import preference_rows
-        keys = dict(keys, chosen_key="chosen", rejected_key="rejected", prompt_key=None, apply_chat_template=True)
+        keys = dict(keys, chosen_key="chosen", rejected_key="rejected", prompt_key=None, apply_chat_template=True,
+                    input_template=None)
         train_rows, train_src = preference_rows(4000, "train", seed=0)[:max_samples], "built-in copy task"
         eval_rows, eval_src = preference_rows(256, "eval", seed=0), "built-in copy task (held out)"
     else:
-        train_rows, train_src = load_rows(dataset, max_samples=max_samples), dataset
+        train_rows, train_src = load_mixture(dataset, dataset_probs, split=dataset_split, max_samples=max_samples,
+                                             seed=seed)
         eval_rows, eval_src = None, None
     if eval_dataset is not None:
-        eval_rows, eval_src = load_rows(eval_dataset, split="test"), eval_dataset
+        eval_rows, eval_src = load_mixture(eval_dataset, split=eval_split, default_split=default_eval_split,
+                                           flags=EVAL_FLAGS)
     held_out = build_preference_pairs(eval_rows, eval_src, tokenizer, **keys)[0] if eval_rows else []
     return build_preference_pairs(train_rows, train_src, tokenizer, **keys)[0], train_src, held_out, eval_src
 

@@ -21,12 +21,13 @@ class PromptExample:
 
 def build_prompts(rows: list[dict], source: str, tokenizer, *, input_key: str = "prompt",
                   label_key: str | None = "label", apply_chat_template: bool = False,
-                  prompt_max_len: int = 1024) -> tuple[list[PromptExample], int]:
+                  prompt_max_len: int = 1024, input_template: str | None = None) -> tuple[list[PromptExample], int]:
     """Tokenized prompts and the number dropped for being longer than `prompt_max_len` tokens.
 
     The input is a string or (with `apply_chat_template`) a message list; with the template a
-    string becomes one user message. A missing or null label gives None; a non-string label
-    (a number, say) is kept as its JSON text, so reward functions always compare strings.
+    string becomes one user message; without it `input_template` ("Q: {}\nA: ") wraps the string.
+    A missing or null label gives None; a non-string label (a number, say) is kept as its JSON
+    text, so reward functions always compare strings.
     """
     examples, dropped, longest = [], 0, 0
     for i, row in enumerate(rows, start=1):
@@ -35,7 +36,7 @@ def build_prompts(rows: list[dict], source: str, tokenizer, *, input_key: str = 
         if apply_chat_template:
             text = render_chat(tokenizer, user_turn(prompt), True, where)
         elif isinstance(prompt, str):
-            text = prompt
+            text = fill_template(input_template, prompt)
         else:
             raise needs_template(input_key, where)
         ids = encode(tokenizer, text)
@@ -117,6 +118,59 @@ def render_response(tokenizer, prompt_msgs: list[dict], prompt_text: str,
     if eos and text.rstrip().endswith(eos):  # "<|im_end|>\n": stop at eos, not after the newline
         text = text.rstrip()
     return text
+
+
+def fill_template(template: str | None, prompt: str) -> str:
+    """OpenRLHF's `--input_template`: `template.format(prompt)` ('{{' and '}}' are literal braces)."""
+    return prompt if template is None else template.format(prompt)
+
+
+def template_notes(a: dict, prompt_flag: str | None = None) -> list[str]:
+    """Check --input_template and --tokenizer_chat_template (a script's parsed options); notes for the banner.
+
+    OpenRLHF drops a template without '{}' and ignores both flags where they do not apply, with a
+    printed warning at most; here each of those is an error naming the flag. `prompt_flag`: the
+    flag that names the prompt column (RM/DPO's --prompt_key), the template's only target there.
+    """
+    t, chat, builtin = a.get("input_template"), a["apply_chat_template"], a.get("dataset", a.get("prompt_data")) is None
+    notes = []
+    if t is not None:
+        if builtin:
+            raise UserError("--input_template: the built-in task's prompts are chat messages; give your data too")
+        if "{}" not in t:
+            raise UserError(f"--input_template {t!r} has no '{{}}' where the prompt goes; add it")
+        try:
+            t.format("")
+        except (IndexError, KeyError, ValueError) as e:
+            raise UserError(f"--input_template {t!r}: not a str.format template with one '{{}}' ({one_line(e)}); "
+                            "write other braces as '{{' and '}}'") from None
+        if chat:
+            raise UserError("--input_template wraps plain-text prompts; with --apply_chat_template the chat "
+                            "template renders them (OpenRLHF then ignores --input_template): drop one of the two")
+        if prompt_flag and a.get(prompt_flag.lstrip("-")) is None:
+            raise UserError(f"--input_template wraps the prompt column: set {prompt_flag} (without it the rows' "
+                            "texts are whole and OpenRLHF ignores the template)")
+        if "\\n" in t:
+            notes.append("--input_template holds a backslash and an 'n', not a newline (kept as given); in bash "
+                         "write $'Q: {}\\nA: ' for a newline")
+    ct = a.get("tokenizer_chat_template")
+    if ct is not None and not (chat or builtin):
+        raise UserError("--tokenizer_chat_template replaces the template that --apply_chat_template uses: add "
+                        "--apply_chat_template, or drop the flag")
+    return notes
+
+
+def set_chat_template(tokenizer, template: str | None) -> None:
+    """--tokenizer_chat_template: the Jinja template replaces the tokenizer's (and is saved with it)."""
+    if template is None:
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"--tokenizer_chat_template: not a valid Jinja template ({e.message}, line {e.lineno})") from None
+    tokenizer.chat_template = template
 
 
 def encode(tokenizer, text: str) -> list[int]:
