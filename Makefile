@@ -24,10 +24,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
+# Tests only (tests/test_openrlhf_rm.py compares with OpenRLHF's own reward-model loader), never a
+# runtime dependency, so `make demo` does not install it: not a pyproject extra, as its pins
+# (deepspeed 0.19.6, ray 2.55, transformers 5.15, flash-attn) clash with ours; --no-deps keeps our
+# stack, and the test stubs its flash-attn helpers.
+$(VENV)/.test-peers: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps "openrlhf==0.11.2" "peft==0.21.2" "pylatexenc==2.11"
+	touch $@
+
 demo: install
 	$(BIN)/python train_grpo.py
 
-test: install
+test: install $(VENV)/.test-peers
 	$(BIN)/python -m pytest tests -x -q --durations=15
 
 # TRL is the `bench` extra only, never a runtime dependency; --no-deps keeps our pinned stack as is.

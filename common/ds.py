@@ -8,6 +8,7 @@ backend is used, so everything here runs on a laptop CPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ class DSSettings:
     # no flat master/gradient copies, norms and softmax in fp32: faster on one GPU (docs/performance.md).
     autocast: bool = False
     compile: bool = False  # torch.compile each transformer block (common.models.compile_layers)
+    # OpenRLHF's DeepSpeed flags (common.openrlhf_flags.ds_keys): --zpg, --overlap_comm, --grad_accum_dtype,
+    # --gradient_checkpointing_use_reentrant, --full_determinism.
+    zpg: int = 1
+    overlap_comm: bool = False
+    grad_accum_dtype: str | None = None
+    reentrant: bool = False
+    deterministic: bool = False
 
 
 def free_port() -> int:
@@ -151,14 +159,24 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
     }
     if s.autocast and dtype == torch.bfloat16:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    if s.zpg > 1:  # ZeRO++ hierarchical partitioning: a secondary copy of the weights per group of zpg ranks
+        zero["zero_hpz_partition_size"] = s.zpg
+    if s.overlap_comm:
+        zero.update(overlap_comm=True, contiguous_gradients=True)
+    if s.grad_accum_dtype:
+        cfg["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
     return cfg
 
 
-def eval_config(s: DSSettings, dtype: torch.dtype) -> dict:
-    """Config for a frozen model (reference, reward): ZeRO-3 shards it, other stages keep it whole."""
+def eval_config(s: DSSettings, dtype: torch.dtype, offload: bool = False) -> dict:
+    """Config for a frozen model (reference, reward): ZeRO-3 shards it (its shards in CPU memory with
+    `offload`), other stages keep it whole."""
+    zero: dict = {"stage": 3 if s.zero_stage == 3 else 0}
+    if offload and s.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
-        "zero_optimization": {"stage": 3 if s.zero_stage == 3 else 0},
+        "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "steps_per_print": 10**9,
     }
@@ -194,13 +212,19 @@ def _optimizer(params, s: DSSettings, dtype: torch.dtype, lr: float, betas, weig
 
 def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: float, total_steps: int,
                warmup_ratio: float = 0.03, scheduler: str = "cosine_with_min_lr",
-               betas=(0.9, 0.95), weight_decay: float = 0.0):
-    """Wrap a model for training; the scheduler steps once per optimizer step."""
+               betas=(0.9, 0.95), weight_decay: float = 0.0, min_lr_ratio: float = 0.1):
+    """Wrap a model for training; the scheduler steps once per optimizer step.
+
+    As OpenRLHF: ceil(warmup_ratio x total_steps) warm-up steps, and cosine_with_min_lr decays to
+    lr x min_lr_ratio (its `min_lr` = lr x --min_lr_ratio for DPO, lr x 0.1 elsewhere)."""
     import deepspeed
     from transformers import get_scheduler
 
+    if s.deterministic:  # OpenRLHF's --full_determinism: deterministic kernels (cuBLAS needs its workspace set)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": s.reentrant})
     if s.compile:
         from common.models import compile_layers
 
@@ -213,10 +237,10 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
     opt = _optimizer(groups, s, dtype, lr, betas, weight_decay)
-    kwargs = {"min_lr_rate": 0.1} if scheduler == "cosine_with_min_lr" else {}
+    kwargs = {"min_lr_rate": min_lr_ratio} if scheduler == "cosine_with_min_lr" else {}
 
     def make_scheduler(wrapped):  # built on DeepSpeed's wrapped optimizer, whose groups it steps
-        return get_scheduler(scheduler, wrapped, num_warmup_steps=int(warmup_ratio * total_steps),
+        return get_scheduler(scheduler, wrapped, num_warmup_steps=math.ceil(warmup_ratio * total_steps),
                              num_training_steps=max(total_steps, 1), scheduler_specific_kwargs=kwargs)
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=make_scheduler,
@@ -224,18 +248,19 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
     return engine
 
 
-def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device):
-    """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device."""
+def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.device, offload: bool = False):
+    """A frozen model: a DeepSpeed engine under ZeRO-3 (sharded), else the plain module on device
+    (with `offload`: left in CPU memory, for the caller to move over for each forward pass)."""
     model.eval().requires_grad_(False)
     if s.compile:
         from common.models import compile_layers
 
         compile_layers(model)
     if s.zero_stage != 3:
-        return model.to(device=device, dtype=dtype)
+        return model.to(device="cpu" if offload else device, dtype=dtype)
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype))
+    engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype, offload))
     engine.eval()
     return engine
 
@@ -267,7 +292,10 @@ def save_hf(model, tokenizer, path: str, rank: int, dtype: torch.dtype | None = 
     """Save in Hugging Face format (safetensors). Collective: every rank calls it."""
     state = full_state_dict(model)
     if rank == 0:
+        from common.models import head_saved_as
+
         module = unwrap(model)
+        state = head_saved_as(module, state)  # an OpenRLHF-style head keeps its name (value_head_prefix)
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         os.makedirs(path, exist_ok=True)
