@@ -68,8 +68,9 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def save_checkpoint(root: str, step: int, engines: dict, client_state: dict, *, rank: int,
-                    max_keep: int = 3) -> str:
-    """Collective: every rank calls it with its engines ({role: DeepSpeed engine})."""
+                    max_keep: int = 3, hf_tokenizer=None) -> str:
+    """Collective: every rank calls it with its engines ({role: DeepSpeed engine}). With `hf_tokenizer`
+    (OpenRLHF's --save_hf_ckpt) each role also gets a Hugging Face copy in <checkpoint>/<role>/hf."""
     tag = f"step{step:08d}"
     final, tmp = os.path.join(root, tag), os.path.join(root, f".tmp-{tag}")
     if rank == 0:
@@ -81,6 +82,10 @@ def save_checkpoint(root: str, step: int, engines: dict, client_state: dict, *, 
     _barrier()
     for role, engine in engines.items():
         engine.save_checkpoint(os.path.join(tmp, role), tag="ds", save_latest=False)
+        if hf_tokenizer is not None:
+            from common.ds import save_hf
+
+            save_hf(engine, hf_tokenizer, os.path.join(tmp, role, "hf"), rank)
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     _barrier()
     if rank == 0:

@@ -104,6 +104,7 @@ class MetricsLogger:
                  files: bool = True):
         self.enabled = enabled
         self._closed = False
+        self._openrlhf = (config or {}).get("openrlhf")
         if not enabled:
             return
         self.save_path = Path(save_path)
@@ -153,7 +154,9 @@ class MetricsLogger:
         self._wandb = None
         if use_wandb:
             import wandb
-            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=cfg)
+            # OpenRLHF's --wandb_org / --wandb_group reach wandb through the options
+            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, config=cfg,
+                                     entity=cfg.get("wandb_org"), group=cfg.get("wandb_group"))
         self._tb = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -228,15 +231,21 @@ class MetricsLogger:
             self._write_plain("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
 
     def banner(self, title: str, sections: dict[str, dict[str, object]]) -> None:
-        """Startup banner: one key/value table per section (options, resource plan, versions, ...)."""
+        """Startup banner: one key/value table per section (options, resource plan, versions, ...), and
+        where the defaults came from (OpenRLHF's with --pretrain, the demo's without; common.openrlhf_flags)."""
         if not self.enabled:
             return
+        compat = self._openrlhf or {}
+        defaults = {**compat.get("defaults", {}), **compat.get("derived", {})}
+        if defaults:
+            sections = {**sections, "defaults": defaults}
         if self.plain:
             self._write_plain(f"== {title} ==")
             for name, kv in sections.items():
                 self._write_plain(f"{name}:")
                 for k, v in kv.items():
                     self._write_plain(f"  {k}: {v}")
+            self._notes(compat)
             return
         self._print(Text(title, style="bold"))
         for name, kv in sections.items():
@@ -246,6 +255,11 @@ class MetricsLogger:
             for k, v in kv.items():
                 t.add_row(str(k), str(v))
             self._print(t)
+        self._notes(compat)
+
+    def _notes(self, compat: dict) -> None:
+        for note in compat.get("notes", []):  # OpenRLHF flags that are accepted but change nothing here
+            self.warn_once(note, note)
 
     # ---- metrics ----
     def log(self, step: int, metrics: dict[str, float]) -> None:
