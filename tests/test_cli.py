@@ -1,6 +1,7 @@
 """The command lines: --help of each script, flag spelling, and the user's reference commands."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -51,3 +52,24 @@ def test_batch_that_does_not_split_over_the_ranks_stops_before_the_models_load(t
     assert p.returncode == 2, p.stderr[-2000:]
     assert "--micro_train_batch_size 64 x world size 2 = 128" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not out.exists() and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_at_80_columns_shows_every_flag_name_whole_and_no_value_for_flags(name):
+    """A pipe, a Slurm log or a small terminal: no flag name may be cut (`--micro_train_batch_s…`),
+    and a boolean flag shows no `<bool>` value, since it takes none."""
+    import re
+
+    p = subprocess.run([PY, os.path.join(ROOT, name), "--help"], cwd=ROOT, env=env() | {"COLUMNS": "80"},
+                       capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert max(len(s) for s in lines) <= 80
+    shown = set(re.findall(r"(--[a-z0-9_]+)(?![a-z0-9_…])", p.stdout))
+    code = (f"import runpy, typer; m = runpy.run_path({os.path.join(ROOT, name)!r}); "
+            "c = typer.main.get_command(m['app']); "
+            "print(' '.join(o for q in c.params if not q.hidden for o in q.opts))")
+    flags = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60).stdout.split()
+    assert len(flags) > 20
+    missing = [f for f in flags if f not in shown]
+    assert not missing, f"cut or missing at 80 columns: {missing}"
+    assert "…" not in p.stdout and "<bool>" not in p.stdout
