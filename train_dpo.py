@@ -4,7 +4,9 @@ The policy learns to raise log pi(chosen) - log pi(rejected) relative to a froze
 (a copy of the starting model), with loss -log sigmoid(beta * margin). `--ipo` uses IPO's squared
 loss on length-averaged log-probs; `--label_smoothing` is conservative DPO; `--nll_loss_coef` adds
 an NLL term on the chosen response (as in RPO). The implicit reward beta * (log pi - log pi_ref)
-gives `train/reward_acc`: how often chosen out-scores rejected.
+gives `train/reward_acc`: how often chosen out-scores rejected. `--packing_samples` runs a micro-batch's
+chosen and rejected sequences as one row without padding (the same log-probs); `--ref_offload` keeps the
+reference's weights in CPU memory.
 
 Run book
     python train_dpo.py                                 # built-in tiny model and task, one CPU process
@@ -23,13 +25,16 @@ import time
 
 import typer
 
+from common import openrlhf_flags as orl
 from common import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
+from common.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
 @app.command(help=__doc__.split("\n\n")[0])
+@orl.openrlhf_flags("train_dpo")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
     ref_pretrain: o.RefPretrain = None,
@@ -38,12 +43,18 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    use_liger_kernel: o.UseLigerKernel = False,
     dataset: o.Dataset = None,
+    dataset_probs: o.DatasetProbs = None,
+    dataset_split: o.DatasetSplit = "train",
     eval_dataset: o.EvalDataset = None,
+    eval_split: o.EvalSplit = "test",
     chosen_key: o.ChosenKey = "chosen",
     rejected_key: o.RejectedKey = "rejected",
     prompt_key: o.PromptKey = None,
+    input_template: o.InputTemplate = None,
     apply_chat_template: o.ApplyChatTemplate = False,
+    tokenizer_chat_template: o.TokenizerChatTemplate = None,
     max_len: o.MaxLen = 512,
     max_samples: o.MaxSamples = None,
     beta: o.Beta = 0.1,
@@ -57,13 +68,16 @@ def main(
     learning_rate: o.LearningRate = 5e-4,
     lr_warmup_ratio: o.WarmupRatio = 0.03,
     lr_scheduler: o.LRScheduler = "cosine_with_min_lr",
+    min_lr_ratio: o.MinLRRatio = 0.1,
     l2: o.WeightDecay = 0.0,
     adam_betas: o.AdamBetas = (0.9, 0.95),
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
     skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
+    packing_samples: o.PackingSamples = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
+    ref_offload: o.RefOffload = False,
     local_rank: o.LocalRank = -1,
     save_path: o.SavePath = "./output/dpo",
     save_steps: o.SaveSteps = -1,
@@ -72,15 +86,16 @@ def main(
     ckpt_path: o.CkptPath = None,
     max_ckpt_num: o.MaxCkptNum = 3,
     load_checkpoint: o.LoadCheckpoint = False,
-    use_wandb: o.UseWandb = False,
+    use_wandb: o.UseWandb = None,
     wandb_project: o.WandbProject = "hybridrl",
     wandb_run_name: o.WandbRunName = None,
     use_tensorboard: o.UseTensorboard = None,
 ):
-    options = dict(locals())
+    options = orl.options(locals())
     with exit_on_user_error():
         require(beta > 0, f"--beta {beta}: must be > 0 (it scales the implicit reward)")
         require(not (ipo and label_smoothing > 0), "--ipo and --label_smoothing: IPO has no label smoothing; drop one")
+        template_notes(options, "--prompt_key")
         require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
         o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
@@ -94,9 +109,10 @@ def train(a: dict) -> None:
     from common import ds, updates
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import iterate_batches
+    from common.packing import next_token_logprobs
     from common.preferences import collate_pairs, load_preference_data
+    from common.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
-    from common.logprobs import token_logprobs
     from common.losses import dpo_loss, nll_loss, sequence_logprobs
     from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
 
@@ -107,16 +123,18 @@ def train(a: dict) -> None:
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"])
+                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
     pretrain = resolve_pretrain(a["pretrain"])
     tokenizer = load_tokenizer(pretrain)
+    set_chat_template(tokenizer, a["tokenizer_chat_template"])
     train_pairs, train_src, eval_pairs, eval_src = load_preference_data(
         a["dataset"], a["eval_dataset"], tokenizer, max_samples=a["max_samples"], chosen_key=a["chosen_key"],
         rejected_key=a["rejected_key"], prompt_key=a["prompt_key"], apply_chat_template=a["apply_chat_template"],
-        max_len=a["max_len"])
+        max_len=a["max_len"], input_template=a["input_template"], dataset_probs=a["dataset_probs"],
+        dataset_split=a["dataset_split"], eval_split=a["eval_split"], seed=a["seed"])
     B = a["train_batch_size"]
     if len(train_pairs) < B:
         raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")
@@ -127,12 +145,23 @@ def train(a: dict) -> None:
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
     policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
+    notes = template_notes(a, "--prompt_key")
+    if a["use_liger_kernel"]:  # the policy only, as OpenRLHF
+        from common.liger import apply_liger
+
+        notes.append(apply_liger(policy, dist.device))
     engine = ds.initialize(policy, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
                            warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
-                           betas=a["adam_betas"], weight_decay=a["l2"])
-    _keep = ds.zero3_loading(ds.eval_config(settings, dtype))  # noqa: F841
+                           betas=a["adam_betas"], weight_decay=a["l2"], min_lr_ratio=a["min_lr_ratio"])
+    # --ref_offload: ZeRO-3 keeps the reference's shards in CPU memory; other stages keep the whole model
+    # there and move it over for each forward pass (ref_logps). On a CPU it is there anyway.
+    offload = a["ref_offload"] and dist.device.type == "cuda"
+    move_ref = offload and a["zero_stage"] != 3
+    if a["ref_offload"] and not offload:
+        notes.append("--ref_offload: on the CPU the reference is in CPU memory anyway")
+    _keep = ds.zero3_loading(ds.eval_config(settings, dtype, offload))  # noqa: F841
     reference = ds.initialize_eval(load_causal_lm(resolve_pretrain(a["ref_pretrain"] or a["pretrain"]), dtype=dtype,
-                                                  attn_impl=attn), settings, dtype, dist.device)
+                                                  attn_impl=attn), settings, dtype, dist.device, offload=offload)
 
     # ---- resume
     ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
@@ -154,22 +183,34 @@ def train(a: dict) -> None:
                 "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
-    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device)):
+    if a["packing_samples"] and attn != "flash_attention_2":
+        notes.append("--packing_samples without flash-attention: SDPA with a block-diagonal mask, whose memory grows "
+                     "with the square of the packed length (--flash_attn on a GPU needs none)")
+    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device), *notes):
         if note:
             log.warn_once(note, note)
 
     def logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence response log-probs [2B] (mean per token under IPO) and token log-probs [2B, T-1]."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        token_lp = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])
+        token_lp = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                       packing=a["packing_samples"], flash=attn == "flash_attention_2")
         return sequence_logprobs(token_lp, batch["loss_mask"][:, 1:], average=a["ipo"]), token_lp
+
+    def ref_logps(batch) -> torch.Tensor:
+        if move_ref:
+            reference.to(dist.device)
+        try:
+            with torch.no_grad():
+                return logps(reference, batch)[0]
+        finally:
+            if move_ref:
+                reference.to("cpu")
 
     def pair_loss(pairs) -> tuple[torch.Tensor, dict]:
         batch = {k: v.to(dist.device) if torch.is_tensor(v) else v
                  for k, v in collate_pairs(pairs, tokenizer.pad_token_id).items()}
         b = len(pairs)
-        with torch.no_grad():
-            ref, _ = logps(reference, batch)
+        ref = ref_logps(batch)
         pol, token_lp = logps(engine, batch)
         loss, r_c, r_r = dpo_loss(pol[:b], pol[b:], ref[:b], ref[b:], a["beta"],
                                   label_smoothing=a["label_smoothing"], ipo=a["ipo"])
@@ -248,7 +289,8 @@ def train(a: dict) -> None:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"policy": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
-                                   rank=dist.rank, max_keep=a["max_ckpt_num"])
+                                   rank=dist.rank, max_keep=a["max_ckpt_num"],
+                                   hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")

@@ -25,17 +25,22 @@ import time
 
 import typer
 
+from common import openrlhf_flags as orl
 from common import options as o
+from common import rl_checks
 from common.errors import exit_on_user_error, require
+from common.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
 @app.command(help=__doc__.split("\n\n")[0])
+@orl.openrlhf_flags("train_grpo")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
     reward_pretrain: o.RewardPretrain = None,
+    value_head_prefix: o.ValueHeadPrefix = "score",
     reward_func: o.RewardFunc = None,
     remote_rm_url: o.RemoteRMURL = None,
     skip_bad_rewards: o.SkipBadRewards = False,
@@ -45,7 +50,11 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    use_liger_kernel: o.UseLigerKernel = False,
     prompt_data: o.PromptData = None,
+    prompt_data_probs: o.PromptDataProbs = None,
+    prompt_split: o.PromptSplit = "train",
+    input_template: o.InputTemplate = None,
     input_key: o.InputKey = "prompt",
     label_key: o.LabelKey = "label",
     apply_chat_template: o.ApplyChatTemplate = False,
@@ -64,8 +73,18 @@ def main(
     normalize_reward: o.NormalizeReward = False,
     no_advantage_std_norm: o.NoAdvStdNorm = False,
     entropy_loss_coef: o.EntropyLossCoef = 0.0,
-    loss_agg_mode: o.LossAgg = "token_mean",
+    loss_agg_mode: o.LossAgg = None,
+    policy_loss_type: o.PolicyLossType = "ppo",
+    reward_clip_range: o.RewardClipRange = (-10.0, 10.0),
+    overlong_buffer_len: o.OverlongBufferLen = None,
+    overlong_penalty_factor: o.OverlongPenaltyFactor = 1.0,
+    stop_properly_penalty_coef: o.StopProperlyPenalty = None,
+    kl_target: o.KLTarget = None,
+    kl_horizon: o.KLHorizon = 10000,
+    ptx_coef: o.PtxCoef = 0.05,
+    aux_loss_coef: o.AuxLossCoef = 0.0,
     dynamic_filtering: o.DynamicFiltering = False,
+    dynamic_filtering_reward_range: o.DynamicFilteringRange = (0.0, 1.0),
     temperature: o.Temperature = 1.0,
     top_p: o.TopP = 1.0,
     rollout_batch_size: o.RolloutBatchSize = 16,
@@ -87,6 +106,7 @@ def main(
     share_prompt_prefix: o.SharePromptPrefix = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
+    ref_reward_offload: o.RefRewardOffload = False,
     deepspeed_enable_sleep: o.DeepSpeedSleep = False,
     actor_num_nodes: o.ActorNodes = 1,
     actor_num_gpus_per_node: o.ActorGPUs = 1,
@@ -110,7 +130,8 @@ def main(
     logprob_diff_steps: o.LogprobDiffSteps = 10,
     logprob_diff_warn: o.LogprobWarn = 0.05,
     enable_vllm_is_correction: o.VllmISCorrection = False,
-    vllm_is_truncated_threshold: o.VllmISThreshold = 2.0,
+    vllm_is_truncated_threshold: o.VllmISThreshold = (0.5, 5.0),
+    vllm_is_correction_type: o.VllmISType = "tis",
     dry_run: o.DryRun = False,
     save_path: o.SavePath = "./output/grpo",
     save_steps: o.SaveSteps = -1,
@@ -119,15 +140,14 @@ def main(
     ckpt_path: o.CkptPath = None,
     max_ckpt_num: o.MaxCkptNum = 3,
     load_checkpoint: o.LoadCheckpoint = False,
-    use_wandb: o.UseWandb = False,
+    use_wandb: o.UseWandb = None,
     wandb_project: o.WandbProject = "hybridrl",
     wandb_run_name: o.WandbRunName = None,
     use_tensorboard: o.UseTensorboard = None,
 ):
-    a = dict(locals())
-    if n_samples_per_prompt is None:  # a default, not a rewrite: group estimators need groups
-        a["n_samples_per_prompt"] = 8 if advantage_estimator in GROUP_ESTIMATORS else 1
+    a = orl.options(locals())
     with exit_on_user_error():
+        derived = rl_checks.derived_defaults(a, GROUP_ESTIMATORS)  # defaults that follow from other flags
         check_options(a)
         plan = resource_plan(a)
         if dry_run:
@@ -139,7 +159,7 @@ def main(
             show.table("resource plan", plan_rows(plan))
             show.info(plan_summary(plan))
             return
-        train(a, plan)
+        train(a, plan, derived)
 
 
 def check_options(a: dict) -> None:
@@ -147,7 +167,8 @@ def check_options(a: dict) -> None:
     require(est in GROUP_ESTIMATORS + ("reinforce",),
             f"--advantage_estimator {est}: train_grpo.py takes {', '.join(GROUP_ESTIMATORS)} or reinforce; "
             "for gae (a critic) use train_ppo.py")
-    o.check_rl(a, GROUP_ESTIMATORS)
+    rl_checks.check_rl(a, GROUP_ESTIMATORS)
+    template_notes(a)  # --input_template: errors here, notes in the banner
 
 
 def resource_plan(a: dict):
@@ -166,17 +187,18 @@ def resource_plan(a: dict):
         colocate_all_models=a["colocate_all_models"], use_gpu=use_gpu)
 
 
-def train(a: dict, plan) -> None:
+def train(a: dict, plan, derived: list[str]) -> None:
     import random
 
     import torch
 
     from common import ds
-    from common.advantages import discounted_returns, group_advantages, group_all_equal, kl_estimate, token_rewards, whiten
+    from common.advantages import KLController, kl_estimate, length_penalties, rl_advantages
     from common.checkpoint import Preemption
-    from common.data import iterate_batches, load_rows
+    from common.blend import PROMPT_FLAGS, load_mixture
+    from common.data import iterate_batches
     from common.logger import MetricsLogger, git_commit, versions
-    from common.losses import masked_mean, policy_loss, sampler_gap
+    from common.losses import aggregate, masked_mean, policy_loss, sampler_gap
     from common.models import load_tokenizer, resolve_pretrain
     from common.prompts import build_prompts
     from common.ray_groups import RoleGroup, create_placement_groups, init_ray
@@ -200,11 +222,12 @@ def train(a: dict, plan) -> None:
         rows, src, chat = prompt_rows(2048, "train", seed=0), "built-in copy task", True
         eval_rows = prompt_rows(64, "eval", seed=0)
     else:
-        rows, src, chat = load_rows(a["prompt_data"], max_samples=a["max_samples"]), a["prompt_data"], a["apply_chat_template"]
+        (rows, src), chat = load_mixture(a["prompt_data"], a["prompt_data_probs"], split=a["prompt_split"], seed=a["seed"],
+                                         max_samples=a["max_samples"], flags=PROMPT_FLAGS), a["apply_chat_template"]
         eval_rows = None
     prompt_args = dict(input_key="prompt" if a["prompt_data"] is None else a["input_key"],
                        label_key="label" if a["prompt_data"] is None else a["label_key"],
-                       apply_chat_template=chat, prompt_max_len=a["prompt_max_len"])
+                       apply_chat_template=chat, prompt_max_len=a["prompt_max_len"], input_template=a["input_template"])
     prompts, dropped = build_prompts(rows, src, tokenizer, **prompt_args)
     eval_prompts = build_prompts(eval_rows, src + " (held out)", tokenizer, **prompt_args)[0] if eval_rows else []
     steps_per_episode = len(prompts) // a["rollout_batch_size"]
@@ -233,7 +256,7 @@ def train(a: dict, plan) -> None:
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"],
                              train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"])
+                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
     ds.grad_accumulation(settings, roles["actor"].workers)  # refused here, not after the models have loaded
     resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
     # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
@@ -246,6 +269,7 @@ def train(a: dict, plan) -> None:
                  scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])
     common_spec = dict(bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
                        packing=a["packing_samples"])
+    value_spec = dict(value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"])
     groups = {}
 
     def start(role, spec):
@@ -254,11 +278,14 @@ def train(a: dict, plan) -> None:
 
     share = a["share_prompt_prefix"]  # the causal LMs' forwards only: value models run whole rows
     pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim,
-                                      static_cache=a["static_kv_cache"], share_prefix=share, **common_spec))]
+                                      static_cache=a["static_kv_cache"], share_prefix=share, liger=a["use_liger_kernel"],
+                                      **common_spec))]
     if "ref" in roles:
-        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, share_prefix=share, **common_spec)))
+        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, share_prefix=share,
+                                              offload=a["ref_reward_offload"], **common_spec)))
     if "reward" in roles:
-        pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings, **common_spec)))
+        pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings,
+                                                 offload=a["ref_reward_offload"], **value_spec, **common_spec)))
     from common.ray_groups import get
 
     # started while the models load: both take a while
@@ -312,8 +339,10 @@ def train(a: dict, plan) -> None:
     from common.resources import plan_summary
 
     log.info(plan_summary(plan))
+    for note in derived:
+        log.info(f"default: {note}")
     gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
-    for note in [n for info in infos for n in info[0]["notes"]] + ([gen_note] if gen_note else []):
+    for note in [n for info in infos for n in info[0]["notes"]] + ([gen_note] if gen_note else []) + template_notes(a):
         log.warn_once(note, note)
 
     sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
@@ -338,28 +367,32 @@ def train(a: dict, plan) -> None:
     # trains with its own loss. out["logprobs"]: [b, t-1]; micro: this micro-batch's tensors.
     eps_low, eps_high = a["eps_clip_low_high"] or (a["eps_clip"], a["eps_clip"])
     kl_in_loss = a["use_kl_loss"] and a["init_kl_coef"] > 0
-    is_threshold = a["vllm_is_truncated_threshold"] if a["enable_vllm_is_correction"] else None
+    kl_ctl = KLController(a["init_kl_coef"], a["kl_target"], a["kl_horizon"])
+    correction = (a["vllm_is_correction_type"], *a["vllm_is_truncated_threshold"]) if a["enable_vllm_is_correction"] else None
+    gspo_vs_sampler = a["policy_loss_type"] == "gspo" and correction is not None  # GSPO's ratio against vLLM's log-probs
 
     def actor_loss(out, micro):
-        mask = micro["action_mask"]
+        # Each term is this micro-batch's share of the step's mean (common.losses.aggregate): the
+        # counts span every micro-batch and rank of the optimizer step.
+        mask, counts = micro["action_mask"], dict(step_tokens=micro["step_tokens"], step_seqs=micro["step_seqs"])
         old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
         is_weights, stats = micro.get("is_weights"), {}
         if "gen_logprobs" in micro:  # the engine's log-probs meet this very forward's (see phase 3; rank 0's share)
-            gap, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, is_threshold)
+            gap, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, correction)
             stats = {f"rollout/{k}": v for k, v in gap.items()}
-        loss, clip_frac, approx_kl = policy_loss(out["logprobs"], old, micro["advantages"], mask,
-                                                 eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
-                                                 is_weights=is_weights)
+        loss, clip_frac, approx_kl = policy_loss(
+            out["logprobs"], old, micro["advantages"], mask, eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
+            is_weights=is_weights, loss_type=a["policy_loss_type"],
+            gen_logp=micro["gen_logprobs"] if gspo_vs_sampler else None, norm_len=a["generate_max_len"], **counts)
         stats.update(policy_loss=loss.item(), clip_frac=clip_frac.item(), approx_kl=approx_kl.item())
-        if kl_in_loss:
-            kl = masked_mean(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask)
-            loss = loss + a["init_kl_coef"] * kl
+        if kl_in_loss:  # a token mean over the step, whatever --loss_agg_mode (as OpenRLHF's KL loss)
+            kl = aggregate(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask, "token_mean", **counts)
+            loss = loss + kl_ctl.value * kl
             stats["kl_loss"] = kl.item()
         if out["entropy"] is not None:
-            entropy = masked_mean(out["entropy"], mask)
             if a["entropy_loss_coef"]:  # else logged only: no backward through a full-vocabulary softmax
-                loss = loss - a["entropy_loss_coef"] * entropy
-            stats["entropy"] = entropy.item()
+                loss = loss - a["entropy_loss_coef"] * aggregate(out["entropy"], mask, "token_mean", **counts)
+            stats["entropy"] = masked_mean(out["entropy"], mask).item()
         return loss, stats
 
     # ---- the RL loop: generate, score, reference and old log-probs, advantages, train, sync
@@ -394,10 +427,12 @@ def train(a: dict, plan) -> None:
         metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
         usable = set(ok)
         groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in usable for j in range(n))]
-        if a["dynamic_filtering"]:
-            same = group_all_equal(scores, n).tolist()
-            metrics["rollout/filtered_groups"] = sum(same[g] for g in groups_ok)
-            groups_ok = [g for g in groups_ok if not same[g]]
+        if a["dynamic_filtering"]:  # DAPO: a group whose samples all pass (or all fail) teaches nothing
+            low, high = a["dynamic_filtering_reward_range"]
+            means = scores.view(-1, n).mean(-1)
+            inside = ((means > low) & (means < high)).tolist()
+            metrics["rollout/filtered_groups"] = sum(not inside[g] for g in groups_ok)
+            groups_ok = [g for g in groups_ok if inside[g]]
         keep_groups = _round_down(groups_ok, a, n, len(actor))
         if not keep_groups:
             log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
@@ -430,26 +465,24 @@ def train(a: dict, plan) -> None:
             kl = torch.zeros_like(mask)
         metrics["train/kl"] = masked_mean(kl, mask).item()
         if "gen_logprobs" in batch and not fresh:  # does the engine sample from the policy the trainer holds?
-            gap, is_weights = sampler_gap(batch["old_logprobs"], batch.pop("gen_logprobs"), mask, is_threshold)
+            gen = batch["gen_logprobs"] if gspo_vs_sampler else batch.pop("gen_logprobs")
+            gap, is_weights = sampler_gap(batch["old_logprobs"], gen, mask, correction)
             metrics.update({f"rollout/{k}": v for k, v in gap.items()})
             if is_weights is not None:
                 batch["is_weights"] = is_weights
         metrics["time/logprobs_s"] = time.perf_counter() - t0
 
         # 4. advantages
-        if a["normalize_reward"]:
-            scores = (scores - scores.mean()) / (scores.std() + 1e-6)
-        if a["advantage_estimator"] == "reinforce":
-            rewards = token_rewards(scores, kl, mask, 0.0 if kl_in_loss else a["init_kl_coef"])
-            adv = whiten(discounted_returns(rewards, mask, a["gamma"]), mask)
-        else:
-            seq_adv = group_advantages(scores, n, a["advantage_estimator"], std_norm=not a["no_advantage_std_norm"])
-            adv = seq_adv[:, None] * mask
-            if not kl_in_loss and a["init_kl_coef"] > 0:
-                adv = adv - a["init_kl_coef"] * kl
-            if a["advantage_estimator"] == "reinforce_baseline":
-                adv = whiten(adv, mask)
-        batch["advantages"] = adv
+        # --normalize_reward (OpenRLHF's) is applied by the reward model and the critic themselves (common.models)
+        scores, penalized = length_penalties(
+            scores, mask.sum(-1), torch.tensor(samples.truncated), max_new_tokens=a["generate_max_len"],
+            overlong_buffer_len=a["overlong_buffer_len"], overlong_penalty_factor=a["overlong_penalty_factor"],
+            stop_properly_penalty_coef=a["stop_properly_penalty_coef"])
+        metrics.update({f"rollout/{k}": v for k, v in penalized.items()})
+        # group baseline, reward clip, the KL penalty in the token rewards, reward-to-go, whitening
+        batch["advantages"], _ = rl_advantages(
+            scores, kl, mask, estimator=a["advantage_estimator"], n=n, kl_coef=0.0 if kl_in_loss else kl_ctl.value,
+            gamma=a["gamma"], std_norm=not a["no_advantage_std_norm"], reward_clip=tuple(a["reward_clip_range"]))
 
         # 5. train the actor: max_epochs passes, train_batch_size samples per optimizer step
         t0 = time.perf_counter()
@@ -458,7 +491,7 @@ def train(a: dict, plan) -> None:
         for _ in range(a["max_epochs"]):
             parts = actor.call_per_rank("train", [(b, actor_loss) for b in split_batch(batch, world)],
                                         output="logprobs", micro_batch=a["micro_train_batch_size"],
-                                        steps=steps_per_pass, entropy=True,
+                                        steps=steps_per_pass, entropy=a["entropy_loss_coef"] is not None,
                                         skip_nonfinite=a["skip_nonfinite_updates"], step=step + 1)
             history += parts[0]
         metrics["time/train_s"] = time.perf_counter() - t0
@@ -468,6 +501,8 @@ def train(a: dict, plan) -> None:
             metrics[name] = sum(h[k] for h in history) / len(history)
         if "old_logprobs" not in batch and "train/kl_loss" in metrics:  # the KL was measured in the loss
             metrics["train/kl"] = metrics["train/kl_loss"]
+        kl_ctl.update(metrics["train/kl"], len(samples))
+        metrics["train/kl_coef"] = kl_ctl.value
         if metrics.get("rollout/logprob_diff", 0.0) > a["logprob_diff_warn"]:
             log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
                           f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")
@@ -520,7 +555,8 @@ def train(a: dict, plan) -> None:
             st = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
             # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
             for g in reversed(trained):
-                path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"])[0]
+                path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"],
+                              a["save_hf_ckpt"])[0]
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")

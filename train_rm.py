@@ -1,9 +1,12 @@
 """Train a reward model on preference pairs (Bradley-Terry), with DeepSpeed.
 
 The model is the LM body plus a scalar head; it learns r(prompt, chosen) > r(prompt, rejected)
-by minimising -log sigmoid(r_c - r_r - margin) (or the equivalent log(1 + exp(r_r - r_c)) with
-`--loss logexp`). The saved folder loads with `AutoModelForSequenceClassification` and is what
-`train_ppo.py --reward_pretrain` takes.
+by minimising -log sigmoid(r_c - r_r) (minus each pair's margin with `--margin_loss`), or the equivalent
+log(1 + exp(r_r - r_c)) with `--loss logexp`. `--packing_samples` runs a micro-batch's chosen and
+rejected sequences as one row without padding (the same scores). The saved folder loads with `AutoModelForSequenceClassification` and is what
+`train_ppo.py --reward_pretrain` takes. Its config.json records, as OpenRLHF's does, the head's name
+(`value_head_prefix`) and the mean and std of the last evaluation's rewards (`--normalize_reward` in
+the RL scripts), so OpenRLHF's loader reads it too.
 
 Run book
     python train_rm.py                                  # built-in tiny model and task, one CPU process
@@ -22,30 +25,41 @@ import time
 
 import typer
 
+from common import openrlhf_flags as orl
 from common import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
+from common.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
 @app.command(help=__doc__.split("\n\n")[0])
+@orl.openrlhf_flags("train_rm")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
+    value_head_prefix: o.ValueHeadPrefix = "score",
     bf16: o.BF16 = False,
     torch_autocast: o.TorchAutocast = False,
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
     dataset: o.Dataset = None,
+    dataset_probs: o.DatasetProbs = None,
+    dataset_split: o.DatasetSplit = "train",
     eval_dataset: o.EvalDataset = None,
+    eval_split: o.EvalSplit = "train",
     chosen_key: o.ChosenKey = "chosen",
     rejected_key: o.RejectedKey = "rejected",
     prompt_key: o.PromptKey = None,
+    input_template: o.InputTemplate = None,
     apply_chat_template: o.ApplyChatTemplate = False,
+    tokenizer_chat_template: o.TokenizerChatTemplate = None,
     max_len: o.MaxLen = 512,
     max_samples: o.MaxSamples = None,
     loss: o.RMLoss = "sigmoid",
+    margin_loss: o.MarginLoss = False,
     margin_key: o.MarginKey = "margin",
+    compute_fp32_loss: o.ComputeFP32Loss = False,
     max_epochs: o.MaxEpochs = 2,
     max_steps: o.MaxSteps = None,
     train_batch_size: o.TrainBatchSize = 32,
@@ -58,6 +72,7 @@ def main(
     max_norm: o.MaxNorm = 1.0,
     seed: o.Seed = 42,
     skip_nonfinite_updates: o.SkipNonfiniteUpdates = False,
+    packing_samples: o.PackingSamples = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
     local_rank: o.LocalRank = -1,
@@ -68,14 +83,17 @@ def main(
     ckpt_path: o.CkptPath = None,
     max_ckpt_num: o.MaxCkptNum = 3,
     load_checkpoint: o.LoadCheckpoint = False,
-    use_wandb: o.UseWandb = False,
+    use_wandb: o.UseWandb = None,
     wandb_project: o.WandbProject = "hybridrl",
     wandb_run_name: o.WandbRunName = None,
     use_tensorboard: o.UseTensorboard = None,
 ):
-    options = dict(locals())
+    options = orl.options(locals())
     with exit_on_user_error():
         require(loss in ("sigmoid", "logexp"), f"--loss {loss}: choose sigmoid or logexp")
+        require(not (margin_loss and loss == "logexp"), "--margin_loss adds the margins to the sigmoid loss; "
+                "--loss logexp has no margin term (OpenRLHF ignores them there): drop one of the two")
+        template_notes(options, "--prompt_key")
         require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
         o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
@@ -89,10 +107,12 @@ def train(a: dict) -> None:
     from common import ds, updates
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import iterate_batches
+    from common.packing import sequence_rewards
     from common.preferences import collate_pairs, load_preference_data
+    from common.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import bradley_terry_loss, log_exp_loss
-    from common.models import attn_implementation, load_reward_model, load_tokenizer, reward_scores, resolve_pretrain
+    from common.models import attn_implementation, load_reward_model, load_tokenizer, resolve_pretrain
 
     dist = ds.setup_distributed()
     torch.manual_seed(a["seed"])
@@ -101,16 +121,22 @@ def train(a: dict) -> None:
     settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
                              gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
                              micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"])
+                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
     pretrain = resolve_pretrain(a["pretrain"])
     tokenizer = load_tokenizer(pretrain)
+    set_chat_template(tokenizer, a["tokenizer_chat_template"])
     train_pairs, train_src, eval_pairs, eval_src = load_preference_data(
         a["dataset"], a["eval_dataset"], tokenizer, max_samples=a["max_samples"], chosen_key=a["chosen_key"],
         rejected_key=a["rejected_key"], prompt_key=a["prompt_key"], apply_chat_template=a["apply_chat_template"],
-        max_len=a["max_len"], margin_key=a["margin_key"])
+        max_len=a["max_len"], margin_key=a["margin_key"], input_template=a["input_template"],
+        dataset_probs=a["dataset_probs"], dataset_split=a["dataset_split"], eval_split=a["eval_split"],
+        default_eval_split="train", seed=a["seed"])
+    with_margin = any(p.margin is not None for p in train_pairs)
+    if a["margin_loss"] and not with_margin:
+        raise UserError(f"--margin_loss: no row of {train_src} has a '{a['margin_key']}' value; set --margin_key")
     B = a["train_batch_size"]
     if len(train_pairs) < B:
         raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")
@@ -120,7 +146,8 @@ def train(a: dict) -> None:
     # ---- model
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
-    model = load_reward_model(pretrain, dtype=torch.float32, attn_impl=attn, pad_token_id=tokenizer.pad_token_id)
+    model = load_reward_model(pretrain, dtype=torch.float32, attn_impl=attn, pad_token_id=tokenizer.pad_token_id,
+                              value_head_prefix=a["value_head_prefix"])
     engine = ds.initialize(model, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
                            warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
                            betas=a["adam_betas"], weight_decay=a["l2"])
@@ -143,7 +170,13 @@ def train(a: dict) -> None:
                 "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
-    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device)):
+    notes = template_notes(a, "--prompt_key")
+    if with_margin and not a["margin_loss"]:
+        notes.append(f"the data's '{a['margin_key']}' column is not used: --margin_loss adds it to the loss")
+    if a["packing_samples"] and attn != "flash_attention_2":
+        notes.append("--packing_samples without flash-attention: SDPA with a block-diagonal mask, whose memory grows "
+                     "with the square of the packed length (--flash_attn on a GPU needs none)")
+    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device), *notes):
         if note:
             log.warn_once(note, note)
 
@@ -151,26 +184,33 @@ def train(a: dict) -> None:
         """Rewards of chosen and rejected: ([b], [b]) for b pairs."""
         batch = {k: v.to(dist.device) if torch.is_tensor(v) else v
                  for k, v in collate_pairs(pairs, tokenizer.pad_token_id).items()}
-        scores = reward_scores(engine, batch["input_ids"], batch["attention_mask"])
+        scores = sequence_rewards(engine, batch["input_ids"], batch["attention_mask"], packing=a["packing_samples"],
+                                  flash=attn == "flash_attention_2")
         b = len(pairs)
         return scores[:b], scores[b:], batch
 
-    def evaluate() -> dict:
-        """Pairwise accuracy on the held-out pairs; each rank scores a shard."""
+    def evaluate(pairs) -> dict:
+        """Pairwise accuracy on `pairs`, each rank scoring a shard; as OpenRLHF's evaluation, the mean and
+        (unbiased) std of all their chosen and rejected rewards go into the model's config, to be saved."""
         engine.eval()
-        correct, total, margin = torch.zeros(3, dtype=torch.float64)
-        mine = eval_pairs[dist.rank::dist.world_size]
+        t = torch.zeros(5, dtype=torch.float64)  # correct, pairs, margin sum, reward sum, reward square sum
+        mine = pairs[dist.rank::dist.world_size]
         with torch.no_grad():
             for i in range(0, len(mine), a["micro_train_batch_size"]):
                 c, r, _ = batch_scores(mine[i: i + a["micro_train_batch_size"]])
-                correct += (c > r).sum().item()
-                total += len(c)
-                margin += (c - r).sum().item()
-        t = torch.tensor([correct, total, margin], dtype=torch.float64)
+                both = torch.cat([c, r]).double()
+                t += torch.tensor([(c > r).sum().item(), len(c), (c - r).sum().item(), both.sum().item(),
+                                   both.square().sum().item()], dtype=torch.float64)
         if dist.world_size > 1:
             torch.distributed.all_reduce(t)
         engine.train()
-        return {"eval/acc": (t[0] / t[1]).item(), "eval/reward_margin": (t[2] / t[1]).item()}
+        n = 2 * t[1]
+        mean = t[3] / n
+        std = ((t[4] - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0).sqrt().clamp(min=1e-8)
+        config = ds.unwrap(engine).config
+        config.mean, config.std = mean.item(), std.item()
+        return {"eval/acc": (t[0] / t[1]).item(), "eval/reward_margin": (t[2] / t[1]).item(),
+                "eval/reward_mean": mean.item(), "eval/reward_std": std.item()}
 
     # ---- train
     per_rank = B // dist.world_size
@@ -189,7 +229,7 @@ def train(a: dict) -> None:
             if a["loss"] == "logexp":
                 loss = log_exp_loss(chosen, rejected)
             else:
-                loss = bradley_terry_loss(chosen, rejected, batch["margin"] if batch["has_margin"] else None)
+                loss = bradley_terry_loss(chosen, rejected, batch["margin"] if a["margin_loss"] else None)
             if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the reward model loss is {loss.item()}; lower the learning rate "
                                     "or check the data, or pass --skip_nonfinite_updates to skip such updates "
@@ -220,7 +260,7 @@ def train(a: dict) -> None:
         epoch_end = step_in_epoch + 1 == steps_per_epoch
         if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
                            (a["eval_steps"] <= 0 and epoch_end) or last):
-            metrics.update(evaluate())
+            metrics.update(evaluate(eval_pairs))
         if step % a["logging_steps"] == 0 or last or "eval/acc" in metrics:
             log.log(step, metrics)
         preempted = not last and preempt.requested()
@@ -228,7 +268,8 @@ def train(a: dict) -> None:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"model": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
-                                   rank=dist.rank, max_keep=a["max_ckpt_num"])
+                                   rank=dist.rank, max_keep=a["max_ckpt_num"],
+                                   hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
@@ -236,6 +277,12 @@ def train(a: dict) -> None:
             log.close()
             return
 
+    if not eval_pairs and len(train_pairs) >= 100:  # OpenRLHF's statistics set then: the first 1% of the training data,
+        ws = dist.world_size                         # whole shards (ZeRO-3 ranks run their forward passes together)
+        n = max(len(train_pairs) // 100 // ws * ws, ws)
+        stats = evaluate(train_pairs[:n])
+        log.info(f"reward mean {stats['eval/reward_mean']:.4g}, std {stats['eval/reward_std']:.4g} over the first {n} "
+                 "training pairs (no held-out set), recorded in config.json")
     ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
     log.info(f"reward model saved to {a['save_path']}")
     log.close()

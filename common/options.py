@@ -7,9 +7,13 @@ light: `--help` imports it and must not import torch.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
+
+from common import cli_help
+
+cli_help.install()  # every script's --help: whole flag names at any width
 
 MODEL, DATA, ROLLOUT, ALGO = "Model", "Data", "Rollout (vLLM)", "Algorithm"
 OPTIM, DS, CLUSTER, LOG = "Optimization", "DeepSpeed", "Cluster (Ray)", "Logging & checkpoints"
@@ -26,18 +30,25 @@ def flag(name: str, help: str, panel: str) -> typer.models.OptionInfo:
 
 # --- Model -------------------------------------------------------------------------------------
 Pretrain = Annotated[Optional[str], opt("pretrain", "Model folder or hub id to start from (default: the built-in tiny model).", MODEL)]
-RewardPretrain = Annotated[Optional[str], opt("reward_pretrain", "Reward model folder (train_rm.py's output) or hub id.", MODEL)]
+RewardPretrain = Annotated[Optional[str], opt("reward_pretrain", "Reward model folder (train_rm.py's or OpenRLHF's output) or hub id.", MODEL)]
 CriticPretrain = Annotated[Optional[str], opt("critic_pretrain", "Critic initialisation (default: the reward model, else --pretrain).", MODEL)]
+ValueHeadPrefix = Annotated[str, opt("value_head_prefix", "Attribute name of the reward model's / critic's value head, as in OpenRLHF; a folder's config.json value_head_prefix wins over it, and a new head (train_rm.py from an LM) is saved under it.", MODEL)]
 RefPretrain = Annotated[Optional[str], opt("ref_pretrain", "Reference model (default: --pretrain).", MODEL)]
 BF16 = Annotated[bool, flag("bf16", "bf16 weights and compute with fp32 master weights (fp32 on a CPU without native bf16, said once).", MODEL)]
 TorchAutocast = Annotated[bool, flag("torch_autocast", "With --bf16: fp32 weights, forward under torch.autocast (DeepSpeed's torch_autocast, as HF Trainer does) instead of bf16 weights plus an fp32 master copy; less memory, faster on one GPU.", MODEL)]
 TorchCompile = Annotated[bool, flag("torch_compile", "torch.compile each transformer block of the trained and frozen models (compiled once, seconds); not with --zero_stage 3.", MODEL)]
 FlashAttn = Annotated[bool, flag("flash_attn", "Use flash-attention 2 where installed (otherwise PyTorch SDPA, said once).", MODEL)]
 GradCkpt = Annotated[bool, flag("gradient_checkpointing", "Recompute activations in the backward pass to save memory.", MODEL)]
+UseLigerKernel = Annotated[bool, flag("use_liger_kernel", "On a GPU with liger-kernel installed (the gpu extra): its fused Triton kernels (RMSNorm, RoPE, SwiGLU) in the trained policy; elsewhere not used, said once.", MODEL)]
 
 # --- Data --------------------------------------------------------------------------------------
-Dataset = Annotated[Optional[str], opt("dataset", "Training data: .jsonl/.json/.parquet/.csv file, a datasets folder, or a hub id (default: the built-in task).", DATA)]
-EvalDataset = Annotated[Optional[str], opt("eval_dataset", "Held-out data in the same format (default: the built-in task's held-out split, or none).", DATA)]
+Dataset = Annotated[Optional[str], opt("dataset", "Training data: .jsonl/.json/.parquet/.csv file, a datasets folder, or a hub id (name@data_dir for a subfolder); several comma-separated are concatenated, or mixed with --dataset_probs (default: the built-in task).", DATA)]
+EvalDataset = Annotated[Optional[str], opt("eval_dataset", "Held-out data in the same format, several comma-separated concatenated (default: the built-in task's held-out split, or none).", DATA)]
+DatasetProbs = Annotated[Optional[str], opt("dataset_probs", "Mix the comma-separated --dataset sources with these probabilities (0.7,0.3; sum 1), OpenRLHF's way: rows drawn at random by --seed until every source is used up once, the smaller ones repeating (docs/openrlhf.md).", DATA)]
+DatasetSplit = Annotated[str, opt("dataset_split", "Split of a hub dataset or datasets folder to train on (a single file is one split).", DATA)]
+EvalSplit = Annotated[str, opt("eval_split", "Split of --eval_dataset to evaluate on (a single file is one split).", DATA)]
+InputTemplate = Annotated[Optional[str], opt("input_template", "Without --apply_chat_template: wrap each plain-text prompt, '{}' standing for it (str.format: 'Q: {}\\nA: ').", DATA)]
+TokenizerChatTemplate = Annotated[Optional[str], opt("tokenizer_chat_template", "A Jinja chat template that replaces the tokenizer's for --apply_chat_template (saved with the model).", DATA)]
 ChosenKey = Annotated[str, opt("chosen_key", "Column holding the preferred response.", DATA)]
 RejectedKey = Annotated[str, opt("rejected_key", "Column holding the rejected response.", DATA)]
 PromptKey = Annotated[Optional[str], opt("prompt_key", "Column holding the prompt (default: the conversation before the last message).", DATA)]
@@ -46,7 +57,9 @@ LabelKey = Annotated[Optional[str], opt("label_key", "Column holding the label p
 ApplyChatTemplate = Annotated[bool, flag("apply_chat_template", "Render prompts and message lists with the tokenizer's chat template.", DATA)]
 MaxLen = Annotated[int, opt("max_len", "Maximum tokens per sequence (prompt + response).", DATA, min=4)]
 MaxSamples = Annotated[Optional[int], opt("max_samples", "Use only the first N rows.", DATA, min=1)]
-PromptData = Annotated[Optional[str], opt("prompt_data", "Prompt data for online RL (default: the built-in task).", DATA)]
+PromptData = Annotated[Optional[str], opt("prompt_data", "Prompt data for online RL, in --dataset's formats; several comma-separated are concatenated, or mixed with --prompt_data_probs (default: the built-in task).", DATA)]
+PromptDataProbs = Annotated[Optional[str], opt("prompt_data_probs", "Mix the comma-separated --prompt_data sources with these probabilities, as --dataset_probs does.", DATA)]
+PromptSplit = Annotated[str, opt("prompt_split", "Split of a hub dataset or datasets folder to take prompts from.", DATA)]
 PromptMaxLen = Annotated[int, opt("prompt_max_len", "Prompts longer than this (tokens) are dropped and counted.", DATA, min=1)]
 GenerateMaxLen = Annotated[int, opt("generate_max_len", "Maximum new tokens per response.", DATA, min=1)]
 
@@ -65,6 +78,7 @@ WeightDecay = Annotated[float, opt("l2", "AdamW weight decay.", OPTIM, min=0.0)]
 AdamBetas = Annotated[tuple[float, float], opt("adam_betas", "AdamW betas.", OPTIM)]
 MaxNorm = Annotated[float, opt("max_norm", "Gradient clipping norm (0 = off).", OPTIM, min=0.0)]
 Seed = Annotated[int, opt("seed", "Random seed (data order, sampling, init of new heads).", OPTIM)]
+MinLRRatio = Annotated[float, opt("min_lr_ratio", "cosine_with_min_lr decays to --learning_rate x this.", OPTIM, min=0.0, max=1.0)]
 SkipNonfiniteUpdates = Annotated[bool, flag("skip_nonfinite_updates", "Skip an optimizer update whose loss or gradients are not finite and count it in train/skipped_updates, instead of stopping.", OPTIM)]
 
 # --- DeepSpeed ---------------------------------------------------------------------------------
@@ -72,6 +86,8 @@ ZeroStage = Annotated[int, opt("zero_stage", "DeepSpeed ZeRO stage 0-3.", DS)]
 AdamOffload = Annotated[bool, flag("adam_offload", "Keep Adam states in CPU memory (DeepSpeedCPUAdam).", DS)]
 LocalRank = Annotated[int, typer.Option("--local_rank", hidden=True, help="Set by the deepspeed launcher.")]
 DeepSpeedSleep = Annotated[bool, flag("deepspeed_enable_sleep", "Offload DeepSpeed states between phases (hybrid engine).", DS)]
+RefOffload = Annotated[bool, flag("ref_offload", "Keep the reference model's weights in CPU memory: ZeRO-3 streams them to the GPU layer by layer, other stages copy the model over for each of its forward passes.", DS)]
+RefRewardOffload = Annotated[bool, flag("ref_reward_offload", "Keep the reference and reward models' weights in CPU memory: ZeRO-3 streams them to the GPU layer by layer, other stages copy each model over for its forward passes of a step.", DS)]
 
 # --- Logging & checkpoints ---------------------------------------------------------------------
 SavePath = Annotated[str, opt("save_path", "Output folder: final model (Hugging Face format), metrics.jsonl, config.json, curves.png.", LOG)]
@@ -81,7 +97,7 @@ EvalSteps = Annotated[int, opt("eval_steps", "Evaluate every N steps (-1 = at th
 CkptPath = Annotated[Optional[str], opt("ckpt_path", "Folder for resumable checkpoints (default: <save_path>/checkpoints).", LOG)]
 MaxCkptNum = Annotated[int, opt("max_ckpt_num", "Keep at most this many checkpoints (the newest good one is never deleted).", LOG, min=1)]
 LoadCheckpoint = Annotated[bool, flag("load_checkpoint", "Resume from the latest checkpoint in --ckpt_path if there is one.", LOG)]
-UseWandb = Annotated[bool, flag("use_wandb", "Log to Weights & Biases (key from WANDB_API_KEY).", LOG)]
+UseWandb = Annotated[Optional[str], opt("use_wandb", "Log to Weights & Biases: --use_wandb KEY (OpenRLHF's form: the key goes to WANDB_API_KEY for this run and is never written down) or --use_wandb env (the key already in WANDB_API_KEY).", LOG)]
 WandbProject = Annotated[str, opt("wandb_project", "wandb project.", LOG)]
 WandbRunName = Annotated[Optional[str], opt("wandb_run_name", "wandb run name.", LOG)]
 UseTensorboard = Annotated[Optional[str], opt("use_tensorboard", "Write TensorBoard logs to this folder.", LOG)]
@@ -92,6 +108,8 @@ MarginKey = Annotated[str, opt("margin_key", "Column with a per-pair margin for 
 Beta = Annotated[float, opt("beta", "DPO temperature: strength of the implicit KL to the reference.", ALGO, min=0.0)]
 LabelSmoothing = Annotated[float, opt("label_smoothing", "Conservative DPO: assumed fraction of flipped labels.", ALGO, min=0.0, max=0.5)]
 IPO = Annotated[bool, flag("ipo", "Use the IPO loss instead of DPO's log-sigmoid.", ALGO)]
+MarginLoss = Annotated[bool, flag("margin_loss", "Bradley-Terry loss with each pair's margin column (--margin_key): -log sigmoid(r_c - r_r - margin); without it margins are not used.", ALGO)]
+ComputeFP32Loss = Annotated[bool, flag("compute_fp32_loss", "Compute the loss in fp32: always so here (the scores are fp32 whatever --bf16), so accepted for OpenRLHF's commands.", ALGO)]
 NLLLossCoef = Annotated[float, opt("nll_loss_coef", "Weight of an NLL term on the chosen responses (RPO).", ALGO, min=0.0)]
 
 # --- Algorithm (online RL) ---------------------------------------------------------------------
@@ -106,11 +124,22 @@ EpsClip = Annotated[float, opt("eps_clip", "PPO ratio clip (both sides unless --
 EpsClipLowHigh = Annotated[Optional[tuple[float, float]], opt("eps_clip_low_high", "Asymmetric clip: low high (DAPO's clip-higher).", ALGO)]
 DualClip = Annotated[Optional[float], opt("dual_clip", "Dual-clip bound c > 1 for negative advantages.", ALGO)]
 ValueClip = Annotated[Optional[float], opt("value_clip", "Clip the value update to this range around the old values.", ALGO)]
-NormalizeReward = Annotated[bool, flag("normalize_reward", "Normalise rewards to zero mean, unit std over each rollout batch.", ALGO)]
+NormalizeReward = Annotated[bool, flag("normalize_reward", "OpenRLHF's: the reward model's scores and the critic's values become (r - mean) / std with the mean and std recorded in their config.json (train_rm.py records them; none: 0 and 1). Rule-based and remote rewards are not changed.", ALGO)]
 NoAdvStdNorm = Annotated[bool, flag("no_advantage_std_norm", "Do not divide group advantages by the group std.", ALGO)]
-EntropyLossCoef = Annotated[float, opt("entropy_loss_coef", "Entropy bonus coefficient.", ALGO)]
-LossAgg = Annotated[str, opt("loss_agg_mode", "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm.", ALGO)]
-DynamicFiltering = Annotated[bool, flag("dynamic_filtering", "DAPO: drop prompt groups whose samples all score the same.", ALGO)]
+EntropyLossCoef = Annotated[Optional[float], opt("entropy_loss_coef", "Entropy bonus coefficient; unset: entropy is not computed (0: computed and logged only).", ALGO)]
+LossAgg = Annotated[Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]], opt("loss_agg_mode", "How per-token losses make a step's loss, over all its micro-batches and ranks: token_mean (every token alike, DAPO) | seq_mean_token_mean (each sequence's mean, then over sequences) | seq_mean_token_sum_norm (each sequence's sum / --generate_max_len, Dr. GRPO). Default: seq_mean_token_sum_norm with --advantage_estimator dr_grpo, seq_mean_token_mean with --policy_loss_type gspo, else token_mean (OpenRLHF has no such flag: its loss is each micro-batch's token mean).", ALGO)]
+DynamicFiltering = Annotated[bool, flag("dynamic_filtering", "DAPO's dynamic sampling: drop prompt groups whose mean score is outside --dynamic_filtering_reward_range (the step trains on the groups left; OpenRLHF samples replacements).", ALGO)]
+DynamicFilteringRange = Annotated[tuple[float, float], opt("dynamic_filtering_reward_range", "LOW HIGH: with --dynamic_filtering keep groups whose mean score is strictly between them.", ALGO)]
+PolicyLossType = Annotated[Literal["ppo", "gspo"], opt("policy_loss_type", "ppo (per-token ratio) | gspo (one ratio per sequence: the geometric mean of its token ratios, Zheng et al. 2025).", ALGO)]
+RewardClipRange = Annotated[tuple[float, float], opt("reward_clip_range", "LOW HIGH: clip each sequence's (baseline-shaped) reward before the KL penalty is added.", ALGO)]
+OverlongBufferLen = Annotated[Optional[float], opt("overlong_buffer_len", "DAPO's overlong penalty: responses longer than --generate_max_len minus this lose up to --overlong_penalty_factor, linearly over the buffer.", ALGO)]
+OverlongPenaltyFactor = Annotated[float, opt("overlong_penalty_factor", "The largest overlong penalty.", ALGO)]
+StopProperlyPenalty = Annotated[Optional[float], opt("stop_properly_penalty_coef", "Truncated responses (hit --generate_max_len): a coefficient in [0, 1] multiplies their score, a negative value replaces it (ProRL).", ALGO)]
+KLTarget = Annotated[Optional[float], opt("kl_target", "Adaptive KL: move the KL coefficient towards this KL (Ziegler et al. 2019); unset: fixed --init_kl_coef.", ALGO)]
+KLHorizon = Annotated[int, opt("kl_horizon", "Adaptive KL horizon in samples.", ALGO, min=1)]
+FreezingActorSteps = Annotated[int, opt("freezing_actor_steps", "Train only the critic for the first N steps (the actor stays as it is).", ALGO)]
+PtxCoef = Annotated[float, opt("ptx_coef", "PPO-ptx pretraining loss weight: accepted at its default only (OpenRLHF's last flat CLI has no pretraining data flag to feed it either).", ALGO)]
+AuxLossCoef = Annotated[float, opt("aux_loss_coef", "Mixture-of-experts load-balancing loss weight (0 only: MoE auxiliary losses are not supported yet).", ALGO)]
 RewardFunc = Annotated[Optional[str], opt("reward_func", "Python file defining reward_func(prompts, completions, labels) -> list[float].", ALGO)]
 RemoteRMURL = Annotated[Optional[str], opt("remote_rm_url", "HTTP reward server (POST JSON prompts/completions/labels -> rewards).", ALGO)]
 SkipBadRewards = Annotated[bool, flag("skip_bad_rewards", "Drop samples whose reward failed (error, NaN, timeout) instead of stopping.", ALGO)]
@@ -153,8 +182,9 @@ VllmSyncBucketMB = Annotated[float, opt("vllm_sync_bucket_mb", "Weight sync buck
 VllmSyncTimeout = Annotated[float, opt("vllm_sync_timeout", "Seconds a weight sync may take before the run stops naming the engine.", ROLLOUT, min=1.0)]
 LogprobDiffSteps = Annotated[int, opt("logprob_diff_steps", "Every N steps vLLM also returns each sampled token's log-prob for rollout/logprob_diff (do the engines hold the trainer's weights?); 1 = every step. Always with --enable_vllm_is_correction, which needs them. They cost ~25% of vLLM's decode time on a 0.5B model.", ROLLOUT, min=1)]
 LogprobWarn = Annotated[float, opt("logprob_diff_warn", "Warn when the mean |trainer - vLLM| log-prob of sampled tokens exceeds this.", ROLLOUT, min=0.0)]
-VllmISCorrection = Annotated[bool, flag("enable_vllm_is_correction", "Truncated importance sampling for the vLLM-vs-trainer log-prob gap.", ALGO)]
-VllmISThreshold = Annotated[float, opt("vllm_is_truncated_threshold", "Upper bound of the importance weights.", ALGO, min=1.0)]
+VllmISCorrection = Annotated[bool, flag("enable_vllm_is_correction", "Importance-sampling correction for the gap between the engines' and the trainer's log-probs (--vllm_is_correction_type).", ALGO)]
+VllmISThreshold = Annotated[tuple[float, float], opt("vllm_is_truncated_threshold", "LOW HIGH bounds of the importance weights (tis clamps to them; icepop and seq-mask-tis zero what falls outside).", ALGO)]
+VllmISType = Annotated[Literal["tis", "icepop", "seq-mask-tis"], opt("vllm_is_correction_type", "tis (token weights clamped: truncated IS) | icepop (token weights outside the bounds masked) | seq-mask-tis (whole sequences masked by their geometric-mean weight).", ALGO)]
 VllmSleepLevel = Annotated[int, opt("vllm_sleep_level", "vLLM sleep level: 1 keeps weights in CPU memory, 2 drops them (they are re-synced anyway).", ROLLOUT, min=1, max=2)]
 
 
@@ -168,46 +198,3 @@ def check_precision(a: dict) -> None:
             "supported yet: drop one of them")
     require(not (a["torch_compile"] and a["zero_stage"] == 3), "--torch_compile: ZeRO-3 gathers each layer's weights "
             "inside the compiled blocks; use --zero_stage 0, 1 or 2, or drop --torch_compile")
-
-
-def check_rl(a: dict, group_estimators: tuple) -> None:
-    """The option checks train_ppo.py and train_grpo.py share (each checks its own estimators first)."""
-    from common.errors import require
-
-    est, n = a["advantage_estimator"], a["n_samples_per_prompt"]
-    require(est not in group_estimators or n > 1,
-            f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt 2 or more")
-    require(a["kl_estimator"] in ("k1", "k2", "k3"), f"--kl_estimator {a['kl_estimator']}: choose k1, k2 or k3")
-    require(a["zero_stage"] in (0, 1, 2, 3), f"--zero_stage {a['zero_stage']}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
-    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url") if a[k]]
-    require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
-    require(sources or a["prompt_data"] is None,
-            "--prompt_data needs a reward: give --reward_pretrain, --reward_func or --remote_rm_url")
-    samples = a["rollout_batch_size"] * n
-    require(samples % a["train_batch_size"] == 0,
-            f"--rollout_batch_size {a['rollout_batch_size']} x --n_samples_per_prompt {n} = {samples} samples must be "
-            f"a multiple of --train_batch_size {a['train_batch_size']}")
-    require(a["train_batch_size"] % a["micro_train_batch_size"] == 0,
-            f"--train_batch_size {a['train_batch_size']} must be a multiple of --micro_train_batch_size {a['micro_train_batch_size']}")
-    require(a["dual_clip"] is None or a["dual_clip"] > 1, f"--dual_clip {a['dual_clip']}: must be > 1")
-    require(a["loss_agg_mode"] in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-            f"--loss_agg_mode {a['loss_agg_mode']}: choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
-    require(not (a["static_kv_cache"] and a["vllm_num_engines"]),
-            "--static_kv_cache is for the policy's own generation; with --vllm_num_engines vLLM generates: drop one")
-    require(not (a["static_kv_cache"] and a["zero_stage"] == 3),
-            "--static_kv_cache needs the whole policy on each rank: use --zero_stage 0, 1 or 2, or drop --static_kv_cache")
-    check_precision(a)
-    if a["share_prompt_prefix"]:
-        require(n > 1, "--share_prompt_prefix runs a prompt once for its samples: with --n_samples_per_prompt 1 there "
-                "is nothing to share; sample 2 or more per prompt or drop --share_prompt_prefix")
-        require(not a["packing_samples"], "--share_prompt_prefix and --packing_samples are two ways to cut the "
-                "forward passes' padded work and do not combine: drop one of them")
-        require(not a["gradient_checkpointing"], "--share_prompt_prefix runs the responses on the prompts' key/value "
-                "cache, which transformers turns off under --gradient_checkpointing: drop one of them")
-        # flash-attention's padded path with a left-padded cache was not available to check against the plain forward
-        require(not a["flash_attn"], "--share_prompt_prefix is checked with PyTorch's SDPA and eager attention only, "
-                "not with flash-attention: drop --flash_attn or --share_prompt_prefix")
-    require(a["vllm_num_engines"] > 0 or not (a["vllm_enable_sleep"] or a["enable_vllm_is_correction"]),
-            "--vllm_enable_sleep and --enable_vllm_is_correction need vLLM engines: add --vllm_num_engines")
-    require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
-            "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")

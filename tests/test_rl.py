@@ -212,7 +212,7 @@ def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
     (["--zero_stage", "5"], "--zero_stage 5"),
     (["--rollout_batch_size", "3", "--train_batch_size", "64"], "multiple of --train_batch_size"),
     (["--vllm_enable_sleep", "--vllm_num_engines", "1"], "--colocate_all_models"),
-    (["--vllm_enable_sleep"], "need vLLM engines"),
+    (["--vllm_enable_sleep"], "--vllm_enable_sleep needs vLLM engines"),
     (["--reward_func", "a.py", "--remote_rm_url", "http://127.0.0.1:1"], "one source"),
     (["--colocate_all_models", "--vllm_num_engines", "4", "--dry_run"], "must equal"),  # more engines than GPUs
     (["--pretrain", "./no/such/model"], "no such folder"),
