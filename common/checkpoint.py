@@ -148,6 +148,10 @@ class Preemption:
             with open(path, "w") as f:
                 f.write("stopped\n")
 
+    def reason(self) -> str:
+        """What asked for the stop, for the driver's last line."""
+        return getattr(self, "_why", "SIGTERM")
+
     def requested(self) -> bool:
         """The same answer on every rank (one rank may have seen the signal a step earlier)."""
         flag = torch.tensor([float(self._asked)])

