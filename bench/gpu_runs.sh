@@ -25,6 +25,7 @@
 #   bash bench/gpu_runs.sh decode     # bench/decode_bench.py: the policy's own decoding vs transformers' and vLLM's
 #   bash bench/gpu_runs.sh decode15   # the same on the 1.5B shape (no vLLM row)
 #   bash bench/gpu_runs.sh three      # one bench run, three rows: ours with vLLM colocated, ours decoding itself, TRL with vLLM
+#   bash bench/gpu_runs.sh memplan    # the memory plan's prediction next to each process's measured peak (0.5B, 1.5B, 3B)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -239,5 +240,14 @@ three)  # the scripts' fastest flags for each way of generating
 mfu)
   bench mfu_1.5b --shape 1.5b --vllm --no-trl --micro_batch ${MB:-16} --ours_flags "--vllm_sync_backend $SYNC"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|..." >&2; exit 2 ;;
+memplan)  # the memory plan against measured peaks: ours only, vLLM colocated at 0.3, SHAPES (default 0.5b 1.5b 3b)
+  for sh in ${SHAPES:-0.5b 1.5b 3b}; do
+    ck=; [ "$sh" = 0.5b ] || ck=--gradient_checkpointing
+    LOGS=0 bench mem_$sh --shape $sh --vllm --no-trl $ck --warmup 1 --steps ${STEPS:-2} \
+      --ours_flags "--vllm_sync_backend $SYNC --zero_stage ${BZ:-2} ${OURS:-}"
+    cp /tmp/bench/ours-$sh-vllm/metrics.jsonl "$OUT/mem_${sh}_metrics.jsonl" 2>/dev/null
+    grep -h "memory plan" -A14 /tmp/bench/ours-$sh-vllm.log > "$OUT/mem_${sh}_plan.txt" 2>/dev/null
+  done
+  ;;
+*) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac

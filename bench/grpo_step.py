@@ -62,7 +62,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 @app.command(help=__doc__.split("\n\n")[0])
 def main(
     shape: Annotated[str, typer.Option(
-        help="tiny (built-in CPU model) | 0.5b | 1.5b (random weights, bench/make_model.py).")] = "tiny",
+        help="tiny (built-in CPU model) | 0.5b | 1.5b | 3b | 7b (Qwen2.5 shapes, random weights, bench/make_model.py).")] = "tiny",
     prompts: Annotated[int, typer.Option(help="Prompts per step.", min=1)] = 8,
     samples: Annotated[int, typer.Option(help="Samples per prompt (TRL's num_generations).", min=2)] = 8,
     new_tokens: Annotated[int, typer.Option(
@@ -100,8 +100,8 @@ def main(
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
     out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
 ):
-    if shape not in ("tiny", "0.5b", "1.5b"):
-        raise typer.BadParameter(f"{shape!r}: choose tiny, 0.5b or 1.5b", param_hint="--shape")
+    if shape not in ("tiny", "0.5b", "1.5b", "3b", "7b"):
+        raise typer.BadParameter(f"{shape!r}: choose tiny, 0.5b, 1.5b, 3b or 7b", param_hint="--shape")
     os.makedirs(work_dir, exist_ok=True)
     gpu = _has_gpu()
     new_tokens = new_tokens or (16 if shape == "tiny" else 256)
@@ -267,12 +267,14 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
            "--generate_max_len", str(job["new_tokens"]), "--train_batch_size", str(batch),
            "--micro_train_batch_size", str(job["micro_batch"]), "--micro_rollout_batch_size", str(batch),
            "--max_steps", str(job["warmup"] + job["steps"]), "--eval_steps", "-1", "--seed", str(job["seed"]),
-           "--init_kl_coef", str(KL_COEF), "--use_kl_loss", "--actor_learning_rate", str(LR)]
+           "--init_kl_coef", str(KL_COEF), "--use_kl_loss", "--actor_learning_rate", str(LR),
+           # --pretrain brings OpenRLHF's defaults (k1, 3% warm-up, cosine, bf16): keep the work TRL's does
+           "--kl_estimator", "k3", "--lr_warmup_ratio", "0", "--lr_scheduler", "constant_with_warmup",
+           "--entropy_loss_coef", "0"]  # entropy computed and logged, as TRL's step does
     if "prompt_file" in job:
         cmd += ["--prompt_data", job["prompt_file"], "--input_key", "prompt", "--label_key", "label",
                 "--apply_chat_template", "--reward_func", job["reward_file"]]
-    if job["bf16"]:
-        cmd += ["--bf16"]
+    cmd += ["--bf16"] if job["bf16"] else ["--param_dtype", "fp32"]
     if job["gradient_checkpointing"]:
         cmd += ["--gradient_checkpointing"]
     if job["share_prompt_prefix"]:

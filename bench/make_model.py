@@ -16,6 +16,9 @@ import typer
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               vocab_size=152064, tie_word_embeddings=False),
 }
 
 
@@ -29,9 +32,9 @@ def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed:
 
     tiny = tiny_model_path()
     tok = AutoTokenizer.from_pretrained(tiny)
-    cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      **SHAPES[shape])
+    shape_kw = {"vocab_size": 151936, "tie_word_embeddings": True, **SHAPES[shape]}  # Qwen2.5's; 7B unties them
+    cfg = Qwen2Config(max_position_embeddings=4096, rope_theta=1e6, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape_kw)
     torch.manual_seed(seed)
     if reward:
         cfg.num_labels = 1

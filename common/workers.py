@@ -273,10 +273,11 @@ class ModelWorker(WeightSender, BaseWorker):
         return time.perf_counter() - t0
 
     def gpu_memory(self, reset: bool = True) -> dict:
-        """{allocated, peak} in GB on this rank's GPU ({} on CPU)."""
+        """{allocated, peak, peak reserved} in GiB on this rank's GPU ({} on CPU)."""
         if not torch.cuda.is_available():
             return {}
-        out = {"allocated_gb": torch.cuda.memory_allocated() / 2**30, "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+        out = {"allocated_gb": torch.cuda.memory_allocated() / 2**30, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+               "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}  # what the device sees, less the context
         if reset:
             torch.cuda.reset_peak_memory_stats()
         return out

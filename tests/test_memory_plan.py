@@ -1,0 +1,189 @@
+"""The memory plan (common/memory_plan.py) on CPU: its byte counts against real DeepSpeed engines, the
+refusal of a layout that cannot fit with the flags that would make it fit, and the dry run's table."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common import memory_plan as mp
+from common.errors import UserError
+from common.resources import plan_resources
+from tests.helpers import PY, ROOT, env
+
+GiB = 2**30
+
+# Each rank's bytes of module parameters (ZeRO-3: its shards), of the fp32 master tensors the optimizer
+# steps (those not sharing the parameters' storage) and of their Adam moments, after one step.
+COUNT = r"""
+import json, sys, torch
+from common import ds
+from common.models import load_causal_lm
+from common.tiny import tiny_model_path
+
+dist = ds.setup_distributed()
+out = open(f"{sys.argv[1]}/rank{dist.rank}.jsonl", "w")  # ranks' prints would interleave on one stdout
+ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+
+def nbytes(tensors):
+    seen = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values()), {k[0] for k in seen}
+
+for mode in ("bf16", "fp32"):
+    for stage in (0, 1, 2, 3):
+        dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+        s = ds.DSSettings(zero_stage=stage, bf16=mode == "bf16", micro_train_batch_size=1, train_batch_size=dist.world_size)
+        keep = ds.zero3_loading(ds.train_config(s, dist.world_size, dtype))
+        model = load_causal_lm(tiny_model_path(), dtype=torch.float32, attn_impl="sdpa")
+        numel = sum(p.numel() for p in model.parameters()) if stage != 3 else None
+        e = ds.initialize(model, s, dist, dtype, lr=1e-3, total_steps=2)
+        e.backward(e(input_ids=ids[dist.rank:dist.rank + 1]).logits.float().logsumexp(-1).mean())
+        e.step()
+        weights, ptrs = nbytes([getattr(p, "ds_tensor", p).data for p in e.module.parameters()])
+        inner = getattr(e.optimizer, "optimizer", e.optimizer)
+        # ZeRO-3 empties the inner optimizer's groups after each step: its flat fp32 partitions are what it steps
+        stepped = getattr(e.optimizer, "fp32_partitioned_groups_flat", None) or [p for g in inner.param_groups for p in g["params"]]
+        master = nbytes([p.data for p in stepped if p.untyped_storage().data_ptr() not in ptrs])[0]
+        moments = nbytes([st[k] for p in stepped for st in [inner.state.get(p, {})] for k in ("exp_avg", "exp_avg_sq") if k in st])[0]
+        print(json.dumps({"mode": mode, "stage": stage, "rank": dist.rank, "numel": numel, "weights": weights,
+                          "master": master, "moments": moments}), file=out, flush=True)
+        del e, keep
+"""
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_states_match_deepspeed_engines(tmp_path, world):
+    """Weights, fp32 master and Adam moments per rank, for ZeRO 0-3 with bf16 weights (DeepSpeed's bf16
+    optimizer) and fp32 weights (also what --torch_autocast trains), within 15% of the plan's."""
+    code = tmp_path / "count.py"
+    code.write_text(COUNT)
+    launch = [PY] if world == 1 else [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                      "--master_addr", "127.0.0.1", "--master_port", "29563"]
+    p = subprocess.run([*launch, str(code), str(tmp_path)], cwd=ROOT, env=env() | {"PYTHONPATH": ROOT}, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for r in range(world) for line in open(tmp_path / f"rank{r}.jsonl")]
+    assert len(rows) == 8 * world, rows
+    shape = mp.read_shape(None)
+    for r in rows:
+        if r["numel"] is not None:
+            assert shape.params == r["numel"]  # the count from config.json is exact
+        m = mp.Model("actor", shape, True, True, world, "g", "actor")
+        job = mp.Job((m,), zero_stage=r["stage"], bf16=r["mode"] == "bf16", autocast=False, adam_offload=False,
+                     checkpointing=False, seq=16, train_rows=1, infer_rows=1, step_rows=world)
+        want = mp.training_states(m, job)
+        for k in ("weights", "master", "moments"):
+            assert r[k] == pytest.approx(want[k], rel=0.15, abs=1024), (r, k, want[k])
+    # with bf16 weights, ZeRO-1 on two ranks halves master and moments; ZeRO-3 also the weights
+    if world == 2:
+        by = {(r["mode"], r["stage"]): r for r in rows if r["rank"] == 0}
+        assert by["bf16", 1]["moments"] * 2 == pytest.approx(by["bf16", 0]["moments"], rel=0.02)
+        assert by["bf16", 3]["weights"] * 2 == pytest.approx(by["bf16", 2]["weights"], rel=0.02)
+
+
+# Llama-3-8B's shape (bench/make_model.py's, where it has one)
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+
+
+def _shape_dir(tmp_path, name: str, cfg: dict) -> str:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from make_model import SHAPES  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    cfg = {**cfg, **SHAPES.get(name, {})}
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16", **cfg}))
+    return str(path)
+
+
+def _grpo(pretrain: str, **kw) -> dict:
+    a = dict(pretrain=pretrain, reward_pretrain=None, bf16=True, torch_autocast=False, zero_stage=2, adam_offload=False,
+             gradient_checkpointing=False, flash_attn=False, packing_samples=False, n_samples_per_prompt=8,
+             prompt_max_len=1024, generate_max_len=1024, micro_train_batch_size=4, micro_rollout_batch_size=16,
+             rollout_batch_size=16, deepspeed_enable_sleep=False, ref_reward_offload=False,
+             vllm_gpu_memory_utilization=0.5, vllm_enable_sleep=False, vllm_sync_bucket_mb=256)
+    a.update(kw)
+    return a
+
+
+def _plan(gpus: int = 1, engines: int = 1):
+    return plan_resources(actor=(1, gpus), critic=None, ref=(1, gpus), reward=None, vllm_num_engines=engines, vllm_tp=1,
+                          colocate_actor_ref=False, colocate_critic_reward=False, colocate_all_models=True, use_gpu=True)
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_the_flags_that_would(tmp_path):
+    """8B GRPO with every role and vLLM on one 80 GiB GPU: refused, naming the fixes most saving first."""
+    path = _shape_dir(tmp_path, "8b", LLAMA_8B)
+    plan = mp.from_options(_grpo(path), "grpo", _plan(), gpu_bytes=80 * GiB)
+    assert plan.job.models[0].shape.params == pytest.approx(8.03e9, rel=0.01)
+    with pytest.raises(UserError) as e:
+        mp.check_memory(plan)
+    msg = str(e.value)
+    for flag in ("--adam_offload", "--gradient_checkpointing", "--deepspeed_enable_sleep --vllm_enable_sleep",
+                 "--vllm_gpu_memory_utilization", "--actor_num_gpus_per_node 2"):
+        assert flag in msg, msg
+    saved = [float(x) for x in re.findall(r"\(-([\d.]+) GiB", msg)]
+    assert saved == sorted(saved, reverse=True) and len(saved) >= 5, msg
+    assert "--zero_stage 3 (3x slower on one GPU)" in msg  # nothing to shard, but the master steps in sub-groups
+    # the same 8B with OpenRLHF's hybrid-engine flags and ZeRO-3 over 8 GPUs fits
+    fits = _grpo(path, zero_stage=3, gradient_checkpointing=True, deepspeed_enable_sleep=True, vllm_enable_sleep=True,
+                 micro_train_batch_size=1, micro_rollout_batch_size=4)
+    mp.check_memory(mp.from_options(fits, "grpo", _plan(8, 8), gpu_bytes=80 * GiB))
+    # DPO at 8B on one GPU: the policy's states alone are 16 bytes per parameter
+    dpo = dict(pretrain=path, bf16=True, zero_stage=2, adam_offload=False, gradient_checkpointing=True,
+               micro_train_batch_size=1, max_len=2048, ref_offload=False)
+    with pytest.raises(UserError, match=r"--adam_offload \(-[\d.]+ GiB, fits\)"):
+        mp.check_memory(mp.from_options(dpo, "dpo", gpu_bytes=80 * GiB))
+
+
+def test_phases_sleep_and_metrics(tmp_path):
+    """The hybrid engine's sleep frees the actor for vLLM's generate; `mem/` keys pair measured and predicted."""
+    path = _shape_dir(tmp_path, "8b", LLAMA_8B)
+    awake = mp.from_options(_grpo(path, zero_stage=3), "grpo", _plan(8, 8), gpu_bytes=140 * GiB)
+    asleep = mp.from_options(_grpo(path, zero_stage=3, deepspeed_enable_sleep=True, vllm_enable_sleep=True),
+                             "grpo", _plan(8, 8), gpu_bytes=140 * GiB)
+    actor = {p.process: p for p in asleep.processes}["actor"]
+    assert actor.phases["generate"] < 1 * GiB < actor.phases["train"]
+    assert {p.process: p for p in asleep.processes}["vllm"].phases["train"] < 3 * GiB
+    assert asleep.worst() < awake.worst()
+    row = mp.rows(asleep)[-1]
+    assert row["process"] == "= one GPU" and "fits" in row["at its peak (GiB)"]
+    keys = mp.mem_metrics("actor", {"peak_gb": 1.0, "peak_reserved_gb": 1.5}, asleep, seq=256)
+    assert set(keys) == {"mem/actor_peak_gb", "mem/actor_peak_reserved_gb", "mem/actor_predicted_gb",
+                         "mem/actor_predicted_reserved_gb"}
+    assert keys["mem/actor_predicted_gb"] < actor.allocated_peak / GiB  # redone for the shorter sequences
+
+
+def test_dry_run_prints_the_memory_table_without_torch():
+    code = ("import runpy, sys; sys.argv = ['train_grpo.py', '--dry_run', '--bf16', '--vllm_num_engines', '1', "
+            "'--colocate_all_models']\ntry:\n    runpy.run_path('train_grpo.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\nprint('torch imported:', 'torch' in sys.modules)")
+    t0 = time.perf_counter()
+    p = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert time.perf_counter() - t0 < 15  # ~0.5 s on a quiet machine: no model, no torch
+    out = p.stdout
+    assert "memory plan" in out and "resource plan" in out, out
+    assert re.search(r"actor\s+[\d.]+", out) and "vllm" in out and "x GPU" in out, out
+    assert "torch imported: False" in out, out
+
+
+def test_a_hub_id_is_planned_only_from_the_cache():
+    """No download for a plan: a hub id not in the local cache gets a note, never a refusal."""
+    plan = mp.from_options(_grpo("no-such-org/not-cached-model"), "grpo", _plan(), gpu_bytes=80 * GiB)
+    assert plan.job is None and "local folder" in plan.note
+    mp.check_memory(plan)
+
+
+def test_too_little_for_vllm_is_refused(tmp_path):
+    path = _shape_dir(tmp_path, "8b", LLAMA_8B)
+    with pytest.raises(UserError, match=r"--vllm_gpu_memory_utilization 0.1 gives each vLLM worker 8.0 GiB, less than its"):
+        mp.check_memory(mp.from_options(_grpo(path, vllm_gpu_memory_utilization=0.1), "grpo", _plan(8, 8), gpu_bytes=80 * GiB))
