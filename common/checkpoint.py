@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -128,16 +129,38 @@ def load_checkpoint(path: str, engines: dict, *, rank: int) -> dict:
 
 class Preemption:
     """SIGTERM (Slurm preemption, `scontrol requeue`, a cluster scheduler) asks for a checkpoint and a
-    clean exit at the end of the current step, so a requeued job resumes instead of starting over."""
+    clean exit at the end of the current step, so a requeued job resumes instead of starting over.
+
+    A first Ctrl-C (SIGINT) does the same, so work since the last checkpoint is not lost; a second one
+    stops at once (KeyboardInterrupt), for a step that would take too long. Each says so on stderr.
+    """
 
     def __init__(self):
         import signal
 
         self._asked = False
+        self._why = "SIGTERM"
+        self._first_ctrl_c = None
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._ctrl_c)
 
     def _handle(self, signum, frame):
         self._asked = True
+
+    def _ctrl_c(self, signum, frame):
+        import signal
+
+        now = time.monotonic()
+        if self._first_ctrl_c is None:
+            self._first_ctrl_c, self._asked, self._why = now, True, "Ctrl-C"
+            _say("Ctrl-C: finishing this step, then saving a checkpoint and stopping; press Ctrl-C again to stop "
+                 "now (without saving)")
+            return
+        if now - self._first_ctrl_c < 1.0:  # the same press, passed on by a launcher (torchrun forwards SIGINT)
+            return
+        _say("Ctrl-C again: stopping now; nothing since the last checkpoint is saved")
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        raise KeyboardInterrupt
 
     def mark_stopped(self) -> None:
         """Say that the run stopped early for the signal. Both a stop and a finished run exit 0, so a
@@ -160,3 +183,13 @@ class Preemption:
             flag = flag.cuda() if backend == "nccl" else flag
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
+
+
+def _say(message: str) -> None:
+    """From a signal handler, on the driver only (rank 0; a Ray driver has no RANK)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        print(message, file=sys.stderr, flush=True)  # rich's live bar (if any) redirects stderr above itself
+    except RuntimeError:  # the signal landed inside another write to stderr
+        os.write(2, (message + "\n").encode())

@@ -17,6 +17,7 @@ Importing this module does not import torch: `--help` and dry runs use `versions
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import enum
 import importlib.metadata
@@ -35,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from common import cpu_threads
 from common.errors import UserError
 
 # On a terminal the bar already shows the latest values; a line above it every N logs (and at every
@@ -239,6 +241,7 @@ class MetricsLogger:
         defaults = {**compat.get("defaults", {}), **compat.get("derived", {})}
         if defaults:
             sections = {**sections, "defaults": defaults}
+        sections = {**sections, "threads": {"cpu": cpu_threads.describe()}}  # the wait policy decides busy-CPU speed
         if self.plain:
             self._write_plain(f"== {title} ==")
             for name, kv in sections.items():
@@ -306,6 +309,7 @@ class MetricsLogger:
                                       TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
                                       refresh_per_second=2)
             self._progress.start()
+            atexit.register(self._progress.stop)  # a run stopped at once (Ctrl-C twice) still ends the bar's line
             self._task = self._progress.add_task(desc, total=self.total_steps or None, completed=self._start_step)
         self._progress.update(self._task, completed=step, description=desc, refresh=True)
         if self._n_logs % _TERMINAL_LINE_EVERY == 1 or any(k.startswith("eval/") for k in vals):

@@ -30,12 +30,14 @@ _WORKER_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "TORCH_EXTENSIONS_
                "TRITON_CACHE_DIR")
 
 
-def init_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> dict:
+def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Plan | None = None,
+             drop: list[tuple[str, str]] = ()) -> dict:
     """Connect to Ray, or start a local one; return `ray.cluster_resources()`. Idempotent.
 
     An existing cluster is used when RAY_ADDRESS is set (`ray job submit` sets it) or a `ray start`
     cluster runs on this machine. Otherwise a local cluster starts with `num_cpus` logical CPUs
-    (a CPU run needs one per worker; more than the physical cores is fine).
+    (a CPU run needs one per worker; more than the physical cores is fine). With a `plan`, it is
+    checked against the cluster together with `drop` (`check_fits`), before a local one starts.
     """
     import ray
 
@@ -68,7 +70,13 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> dict:
             # A cluster of our own on this machine: no other client will join it, so Ray's token
             # auth (on by default since 2.60) only adds a warning line.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
+            if plan is not None:  # a cluster of our own is made to fit: only `drop` can refuse the run
+                check_fits(plan, None, drop)
+            from common.ray_local import start_watcher
+
+            temp = start_watcher()  # so that the cluster goes with this process, even after a SIGKILL
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                     _temp_dir=temp, **kwargs)
     except (ray.exceptions.AuthenticationError, ConnectionError, RuntimeError) as e:
         if not existing:
             raise
@@ -87,6 +95,8 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> dict:
             f"could not connect to the Ray cluster at {existing} ({str(e).splitlines()[0]}); check RAY_ADDRESS "
             f"and that `ray status` shows the cluster, or unset RAY_ADDRESS to start a local one"
         ) from None
+    if plan is not None:
+        check_fits(plan, ray.cluster_resources(), drop)
     return ray.cluster_resources()
 
 

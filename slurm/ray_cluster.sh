@@ -19,7 +19,7 @@
 # periodic checkpoint.
 #
 # Settings (environment, all optional):
-#   PYTHON              interpreter with ray installed (default: python). `ray` runs as
+#   PYTHON              interpreter with ray installed (slurm/env.sh: the project's .venv). `ray` runs as
 #                       `$PYTHON -m ray.scripts.scripts`, so Ray's workers use this interpreter too,
 #                       not whichever python comes first on PATH on each node.
 #   RAY_NODES           nodes to use, head first (default: the job's, from SLURM_JOB_NODELIST). A node

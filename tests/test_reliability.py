@@ -224,7 +224,7 @@ def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypa
 
     marker = tmp_path / "stopped"
     monkeypatch.setenv("HYBRIDRL_STOPPED_FILE", str(marker))
-    old = sig.getsignal(sig.SIGTERM)
+    old, old_int = sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)
     try:
         p = Preemption()
         assert not p.requested() and not marker.exists()
@@ -239,6 +239,7 @@ def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypa
         assert not marker.exists()
     finally:
         sig.signal(sig.SIGTERM, old)
+        sig.signal(sig.SIGINT, old_int)  # Preemption takes Ctrl-C too
 
 
 GRAD_NORM = r"""
