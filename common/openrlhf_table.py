@@ -153,6 +153,7 @@ DEFAULTS = {
                   "max_samples": 1_000_000},
     "train_sft": {"bf16": True, "max_epochs": 2, "train_batch_size": 128, "micro_train_batch_size": 8,
                   "learning_rate": 5e-6, "max_samples": 1_000_000, "max_len": 2048, "lr_warmup_ratio": 0.03,
-                  "eval_steps": -1, "max_steps": None},  # OpenRLHF has no --max_steps: it runs out the epochs
+                  "eval_steps": -1, "adam_betas": (0.9, 0.95),
+                  "max_steps": None},  # OpenRLHF has no --max_steps: it runs out the epochs
 }
 

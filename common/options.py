@@ -7,6 +7,8 @@ light: `--help` imports it and must not import torch.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Annotated, Literal, Optional
 
 import typer
@@ -205,3 +207,32 @@ def check_precision(a: dict) -> None:
             "supported yet: drop one of them")
     require(not (a["torch_compile"] and a["zero_stage"] == 3), "--torch_compile: ZeRO-3 gathers each layer's weights "
             "inside the compiled blocks; use --zero_stage 0, 1 or 2, or drop --torch_compile")
+
+
+class _Options(Mapping):
+    """Read-only mapping view of a typed options object, for common/ functions that take the options
+    by key (`a["seed"]`) as well as by attribute (`a.seed`)."""
+
+    def __getitem__(self, key):
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def __iter__(self):
+        return iter(f.name for f in dataclasses.fields(self))
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+
+def typed(values: dict, main, name: str):
+    """A script's resolved options as a frozen dataclass `name`, one field per option, typed as the
+    script's parameters are (the OpenRLHF flags it does not declare, and the banner's notes, as Any):
+    what `train` receives, so a misspelt option is an AttributeError, not a silent None."""
+    import typing
+
+    hints = typing.get_type_hints(main)
+    fields = [(k, hints.get(k, typing.Any)) for k in values]
+    cls = dataclasses.make_dataclass(name, fields, bases=(_Options,), frozen=True, eq=False)
+    return cls(**values)

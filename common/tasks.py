@@ -111,6 +111,18 @@ def preference_rows(n: int, split: str = "train", seed: int = 0) -> list[dict]:
     return rows
 
 
+def sft_rows(n: int, split: str = "train", seed: int = 0) -> list[dict]:
+    """`n` rows `{"messages": [user, assistant]}` (TRL's conversational SFT format), the assistant
+    turn the exact copy, for train_sft.py; `split` "eval" rows are held-out tuples only."""
+    rng = _rng("sft", split, seed)
+    rows = []
+    for _ in range(n):
+        words = _sample_words(rng, split)
+        rows.append({"messages": [{"role": "user", "content": user_text(words)},
+                                  {"role": "assistant", "content": " ".join(words)}]})
+    return rows
+
+
 def pretrain_texts(n: int, seed: int, p_correct: float = 0.4) -> list[tuple[str, str]]:
     """`n` (user text, assistant text) pairs for the tiny base model, from train tuples only.
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import PY, ROOT, env, script
 
-SCRIPTS = ["train_rm.py", "train_dpo.py", "train_ppo.py", "train_grpo.py"]
+SCRIPTS = ["train_rm.py", "train_dpo.py", "train_ppo.py", "train_grpo.py", "train_sft.py"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from tests.helpers import ROOT, metrics, script
 
 DATA = json.load(open(os.path.join(ROOT, "tests", "data", "openrlhf_flags_76351db1.json")))
-SCRIPTS = ["train_rm", "train_dpo", "train_ppo", "train_grpo"]
+SCRIPTS = ["train_rm", "train_dpo", "train_ppo", "train_grpo", "train_sft"]
 SAMPLE = {"int": "1", "float": "0.5", "str": "x"}
 
 
@@ -139,8 +139,10 @@ EXPECT = {
     "train_vlm_math_hybrid_engine.sh": "images",
     "train_rm.sh": None,
     "train_dpo_llama.sh": None,
+    "train_sft.sh": None,
+    "train_sft_mixtral_lora.sh": "LoRA",
 }
-TARGET = {"train_ppo_ray": "train_ppo", "train_rm": "train_rm", "train_dpo": "train_dpo"}
+TARGET = {"train_ppo_ray": "train_ppo", "train_rm": "train_rm", "train_dpo": "train_dpo", "train_sft": "train_sft"}
 
 
 def _swap(args: list[str], tmp_path, model: str) -> list[str]:
@@ -179,11 +181,14 @@ def test_openrlhf_example_commands(name, ours, args, tmp_path):
     from common.tiny import tiny_model_path
 
     args = _swap(args, tmp_path, tiny_model_path())
-    if ours in ("train_rm", "train_dpo"):
-        from common.tasks import preference_rows
+    if ours in ("train_rm", "train_dpo", "train_sft"):
+        from common.tasks import preference_rows, prompt_rows
 
-        data = tmp_path / "prefs.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(32, "train", seed=3)))
+        rows = preference_rows(32, "train", seed=3)
+        if ours == "train_sft":  # OpenOrca's columns, as the example's --input_key / --output_key name them
+            rows = [{"question": r["prompt"][0]["content"], "response": r["label"]} for r in prompt_rows(32, "train", seed=3)]
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         i = args.index("--dataset")
         args[i + 1] = str(data)
         # tiny sizes last: the last value of a flag wins
@@ -194,7 +199,7 @@ def test_openrlhf_example_commands(name, ours, args, tmp_path):
     expect = EXPECT[name]
     if expect is None:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-        if ours in ("train_rm", "train_dpo"):
+        if ours in ("train_rm", "train_dpo", "train_sft"):
             assert len(metrics(str(tmp_path / "out"))) == 2
     else:
         expect = (expect,) if isinstance(expect, str) else expect

@@ -201,7 +201,8 @@ def _port_busy(port: int) -> bool:
 
 def test_templates_are_valid_bash():
     assert {os.path.basename(t) for t in TEMPLATES} >= {
-        "env.sh", "ray_cluster.sh", "ppo_70b.sh", "grpo_8b.sh", "dpo_8b.sh", "rm_8b.sh", "debug_tiny.sh"}
+        "env.sh", "ray_cluster.sh", "ppo_70b.sh", "grpo_8b.sh", "dpo_8b.sh", "rm_8b.sh", "debug_tiny.sh",
+        "sft_8b.sh", "ppo_8b.sh", "pipeline_8b.sh"}
     for t in TEMPLATES:
         p = _sh(["bash", "-n", t])
         assert p.returncode == 0, f"{t}: {p.stderr}"
@@ -256,6 +257,11 @@ def test_ppo_70b_plan_is_48_gpus_in_three_groups_of_16():
 def test_grpo_8b_plan_is_one_hybrid_node():
     out = _dry_run("grpo_8b.sh")
     assert _total_gpus(out) == 8 and "group actor+ref+reward+vllm: bundles 0-7, 0.25 GPU each" in out, out
+
+
+def test_ppo_8b_plan_is_one_hybrid_node_with_a_critic():
+    out = _dry_run("ppo_8b.sh")
+    assert _total_gpus(out) == 8 and "critic" in out, out
 
 
 # ---- jobs on the real Slurm
@@ -335,6 +341,33 @@ def test_ray_helper_fails_fast_when_a_node_cannot_join(slurm, tmp_path):
     shutil.rmtree(temp, ignore_errors=True)
 
 
+def test_templates_find_the_venv_from_a_shell_without_it(slurm, tmp_path):
+    """sbatch from a shell with neither PYTHON set nor the venv on PATH (`No module named 'ray'` before):
+    slurm/env.sh takes the project's .venv. Ray templates print their plan (DRY_RUN=1), DeepSpeed ones
+    their --help through srun; an interpreter without the packages is refused with what to set."""
+    if os.path.realpath(PY) != os.path.realpath(os.path.join(ROOT, ".venv", "bin", "python")):
+        pytest.skip("these tests do not run from the project's .venv, which is what the templates look for")
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and os.path.realpath(d) != os.path.realpath(os.path.dirname(PY)))
+    bare = {"PATH": path, "PYTHON": "", "VIRTUAL_ENV": "", "PRETRAIN": "", "DATASET": "",
+            "SHARED_DIR": str(tmp_path / "shared")}
+    jobs = {}
+    for name, extra, flags in (("debug_tiny.sh", {"DRY_RUN": "1"}, []), ("grpo_8b.sh", {"DRY_RUN": "1"}, []),
+                               ("ppo_70b.sh", {"DRY_RUN": "1"}, []), ("dpo_8b.sh", {}, ["--help"]),
+                               ("rm_8b.sh", {}, ["--help"])):
+        jobs[name] = slurm.sbatch(*_cpu_job(tmp_path, ntasks=1), f"slurm/{name}", *flags, env_extra=bare | extra)
+    bad = slurm.sbatch(*_cpu_job(tmp_path, ntasks=1), "slurm/debug_tiny.sh",
+                       env_extra=bare | {"PYTHON": "/usr/bin/python3", "DRY_RUN": "1"})
+    for name, job in jobs.items():
+        state, out = slurm.finish(job, timeout=300), slurm.job_output(job)
+        assert state == "COMPLETED", f"{name}: {state}\n{out}"
+        assert ("resource plan" if name in ("debug_tiny.sh", "grpo_8b.sh", "ppo_70b.sh") else "Usage") in out, out
+        assert "No module named" not in out, out
+    state, out = slurm.finish(bad, timeout=300), slurm.job_output(bad)
+    assert state == "FAILED" and "slurm/env.sh: /usr/bin/python3 cannot import hybridrl's packages" in out, out
+    assert "PYTHON=/path/to/venv/bin/python sbatch" in out, out
+
+
 def test_rm_8b_trains_with_two_ranks_started_by_srun(slurm, tmp_path):
     save = tmp_path / "rm"
     job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", "3",
@@ -395,3 +428,30 @@ def test_time_limit_warning_checkpoints_the_ray_job_and_requeues_it(slurm, tmp_p
     # Both runs stopped their Ray cleanly (temp folders removed) and left no process behind.
     assert not glob.glob(f"/tmp/ray-{job}-*"), out
     assert not _sh(["pgrep", "-f", f"/tmp/ray-{job}-"]).stdout.split(), f"Ray processes of job {job} still running"
+
+
+def test_pipeline_8b_chains_sft_rm_ppo_as_dependent_jobs(slurm, tmp_path):
+    """slurm/pipeline_8b.sh submits three jobs, each after the one before succeeded (afterok) and reading
+    its folder: SFT and the reward model train the tiny model for a few steps (srun, one rank), and
+    the PPO job prints its 8-GPU plan (PPO_DRY_RUN=1: this node has no GPUs)."""
+    out = tmp_path / "pipeline"
+    tiny = _job_env(tmp_path) | {
+        "OUT": str(out), "SFT_DATASET": "", "RM_DATASET": "", "PROMPT_DATA": "", "PPO_DRY_RUN": "1",
+        "SBATCH_FLAGS": " ".join(_cpu_job(tmp_path, ntasks=1)),
+        "SFT_FLAGS": "--max_steps 3 --eval_steps 3 --train_batch_size 8 --micro_train_batch_size 4 --max_len 128",
+        "RM_FLAGS": " ".join([*TINY_PAIRS, "--max_steps", "2", "--learning_rate", "5e-4"])}
+    p = _sh(["bash", "slurm/pipeline_8b.sh"], cwd=ROOT, env=slurm.env | tiny, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"sft job (\d+) -> rm job (\d+) -> ppo job (\d+)", p.stdout)
+    assert m, p.stdout
+    sft, rm, ppo = m.groups()
+    assert slurm.job(rm)["Dependency"].startswith(f"afterok:{sft}"), slurm.job(rm)
+    assert slurm.job(ppo)["Dependency"].startswith(f"afterok:{rm}"), slurm.job(ppo)
+    for job in (sft, rm, ppo):
+        state = slurm.finish(job)
+        assert state == "COMPLETED", f"{job}: {state}\n{slurm.job_output(job)}\n{slurm.logs()}"
+    _assert_model_written(out / "sft")
+    _assert_model_written(out / "rm")
+    assert f"model: {out / 'sft'}" in slurm.job_output(rm), slurm.job_output(rm)  # the RM starts from the SFT model
+    plan = slurm.job_output(ppo)
+    assert _total_gpus(plan) == 8 and "group actor+critic+ref+reward+vllm" in plan, plan

@@ -53,11 +53,11 @@ def _show(git_dir: str, path: str) -> str:
 
 def example_command(text: str) -> tuple[str, list[str]] | None:
     """(cli, flags) of the one `openrlhf.cli.<cli>` command in an example script, its bash arrays and
-    variables expanded; None when the script runs none of the four CLIs."""
+    variables expanded; None when the script runs none of the five CLIs."""
     text = re.sub(r"(?m)^\s*#.*$", "", text).replace("\\\n", " ")
     arrays = {m[1]: m[2] for m in re.finditer(r"(?s)(\w+)=\((.*?)\)", text)}
     variables = {m[1]: m[2].strip('"') for m in re.finditer(r'(?m)^(\w+)="?([^"(\n]*)"?\s*(#.*)?$', text)}
-    m = re.search(r"openrlhf\.cli\.(train_ppo_ray|train_rm|train_dpo)\b(.*)", text)
+    m = re.search(r"openrlhf\.cli\.(train_ppo_ray|train_rm|train_dpo|train_sft)\b(.*)", text)
     if not m:
         return None
     rest = m[2]

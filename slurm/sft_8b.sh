@@ -1,0 +1,60 @@
+#!/bin/bash
+# SFT of an 8B base model across 2 nodes x 8 GPUs: one DeepSpeed ZeRO-2 process group of 16 ranks,
+# started by srun (one task per GPU), as the reference's `deepspeed --module ... train_sft`
+# (OpenRLHF's examples/scripts/train_sft.sh: Llama-3-8B on OpenOrca, packed samples).
+#
+#   mkdir -p logs && sbatch slurm/sft_8b.sh                         # from the repo root
+#   sbatch --nodes=4 slurm/sft_8b.sh --max_epochs 2                 # more nodes; any flag overrides
+#   PRETRAIN=/shared/llama3-8b DATASET=/shared/sft.jsonl INPUT_KEY=prompt OUTPUT_KEY=answer sbatch slurm/sft_8b.sh
+#
+# Every rank gets RANK/WORLD_SIZE/LOCAL_RANK from Slurm (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID)
+# and MASTER_ADDR/MASTER_PORT from this script (the job's first node), so no launcher is needed.
+# Requeued (node failure, preemption, `scontrol requeue`), it resumes from the newest checkpoint.
+#SBATCH --job-name=sft-8b
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+# Model and data: an empty value (PRETRAIN= DATASET=) means the built-in tiny model / task, a CPU smoke test.
+PRETRAIN=${PRETRAIN-meta-llama/Meta-Llama-3-8B}
+DATASET=${DATASET-Open-Orca/OpenOrca}
+# The prompt and response columns (OpenOrca's); the built-in task (DATASET=) needs none.
+INPUT_KEY=${INPUT_KEY:-question}
+OUTPUT_KEY=${OUTPUT_KEY:-response}
+SAVE_PATH=${SAVE_PATH:-./output/llama3-8b-sft}
+SAVE_STEPS=${SAVE_STEPS:-100}
+
+cd "${SLURM_SUBMIT_DIR:-.}"
+source slurm/env.sh
+# Each rank's torch otherwise starts one OpenMP thread per core of the node: 8 ranks x all cores.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+# Rank 0's rendezvous: the batch script runs on the job's first node, so a port free here is free there.
+MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}" | head -n 1)
+free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+MASTER_PORT=${MASTER_PORT:-$(free_port)}
+export MASTER_ADDR MASTER_PORT
+
+DATA=()
+if [[ -n $DATASET ]]; then
+  DATA=(--dataset "$DATASET" --input_key "$INPUT_KEY" --output_key "$OUTPUT_KEY")
+fi
+ARGS=(${PRETRAIN:+--pretrain "$PRETRAIN"} "${DATA[@]}"
+      --max_len 2048 --max_samples 500000 --train_batch_size 256 --micro_train_batch_size 2 --max_epochs 1
+      --learning_rate 5e-6 --zero_stage 2 --bf16 --flash_attn --gradient_checkpointing --packing_samples
+      --save_path "$SAVE_PATH" --save_steps "$SAVE_STEPS" --max_ckpt_num 2 --load_checkpoint
+      --logging_steps 1 --eval_steps -1)
+echo "sft_8b: job ${SLURM_JOB_ID:-none}, restart ${SLURM_RESTART_COUNT:-0}," \
+     "${SLURM_NTASKS:-1} ranks on ${SLURM_JOB_NODELIST:-}, rendezvous $MASTER_ADDR:$MASTER_PORT"
+# --kill-on-bad-exit: one rank dying ends the step instead of the others hanging in a collective;
+# --cpus-per-task again because srun (Slurm >= 22.05) no longer inherits it from sbatch.
+# shellcheck disable=SC2016  # the $SLURM_* are expanded by each task's shell, on purpose
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+  bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec "$0" "$@"' \
+  "$PYTHON" train_sft.py "${ARGS[@]}" "$@"
