@@ -158,11 +158,13 @@ def main(
         if dry_run:
             from common.logger import MetricsLogger
 
+            from common import memory_plan
             from common.resources import plan_rows, plan_summary
 
             show = MetricsLogger(save_path, 0, files=False)  # a dry run writes nothing
             show.table("resource plan", plan_rows(plan))
             show.info(plan_summary(plan))
+            memory_plan.preflight(a, "grpo", plan, log=show)  # each process's GPU memory per phase
             return
         train(a, plan, derived)
 
@@ -193,6 +195,8 @@ def resource_plan(a: dict):
 
 
 def train(a: dict, plan, derived: list[str]) -> None:
+    from common import cpu_threads
+    cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
     from common.advantages import KLController, kl_estimate, length_penalties, rl_advantages

@@ -102,9 +102,11 @@ def main(
 
 
 def train(a: dict) -> None:
+    from common import cpu_threads
+    cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common import ds, updates
+    from common import ds, memory_plan, updates
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import iterate_batches
     from common.packing import sequence_rewards
@@ -123,6 +125,7 @@ def train(a: dict) -> None:
                              micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
                              autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
+    memory = memory_plan.preflight(a, "rm", world_size=dist.world_size)  # refused here if it cannot fit the GPU
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
     pretrain = resolve_pretrain(a["pretrain"])
@@ -170,6 +173,7 @@ def train(a: dict) -> None:
                 "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
         "versions": versions()})
+    memory_plan.show(log, memory)
     notes = template_notes(a, "--prompt_key")
     if with_margin and not a["margin_loss"]:
         notes.append(f"the data's '{a['margin_key']}' column is not used: --margin_loss adds it to the loss")
@@ -255,7 +259,7 @@ def train(a: dict) -> None:
         if a["skip_nonfinite_updates"]:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
-            metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics.update(memory_plan.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
         if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
@@ -272,7 +276,7 @@ def train(a: dict) -> None:
                                    hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
-            log.info(f"SIGTERM: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
+            log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
             preempt.mark_stopped()
             log.close()
             return

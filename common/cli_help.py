@@ -16,9 +16,14 @@ def install() -> None:
     if _done:
         return
     _done = True
-    from rich.table import Table
-    from rich.text import Text
-    from typer import core, rich_utils
+    try:
+        from rich.table import Table
+        from rich.text import Text
+        from typer import core, rich_utils
+    except ImportError:  # a typer without rich help: nothing to mend
+        return
+    if not hasattr(rich_utils, "Table"):
+        return
 
     class WholeNames(Table):
         def add_row(self, *cells, **kw):
@@ -32,7 +37,7 @@ def install() -> None:
                 column.overflow = "fold"  # a long word (a flag named in the help) breaks rather than ends in "…"
 
     rich_utils.Table = WholeNames
-    shown = core.TyperOption.display_type_rich
+    shown = getattr(core.TyperOption, "display_type_rich", None)
 
     def display_type_rich(self, ctx):
         if self.is_flag and not self.count:
@@ -42,4 +47,5 @@ def install() -> None:
             return " ".join(f"<{t}>" for t in one) if len(one) == self.nargs else f"<{one[0]}> x{self.nargs}"
         return shown(self, ctx)
 
-    core.TyperOption.display_type_rich = display_type_rich
+    if shown is not None:  # older typers (the GPU image's) show no type for flags anyway
+        core.TyperOption.display_type_rich = display_type_rich

