@@ -173,7 +173,8 @@ def train(a: dict) -> None:
     if resume_from:
         state = load_checkpoint(resume_from, {"policy": engine}, rank=dist.rank)
 
-    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=a, use_wandb=a["use_wandb"],
+    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
+                        use_wandb=a["use_wandb"],
                         wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
                         tensorboard_dir=a["use_tensorboard"],
                         plot_keys=("train/loss", "train/reward_acc", "train/reward_margin", "eval/reward_acc"),

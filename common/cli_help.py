@@ -10,6 +10,14 @@ from __future__ import annotations
 _done = False
 
 
+def _one_line(e) -> None:
+    """A bad value or an unknown flag: `error: ...`, as the scripts' own checks print (exit 2 stays click's)."""
+    import sys
+
+    if type(e).__name__ != "NoArgsIsHelpError":
+        print(f"error: {e.format_message()} (--help lists the flags)", file=sys.stderr)
+
+
 def install() -> None:
     """Patch typer's help rendering once per process (only our scripts' apps live in it)."""
     global _done
@@ -37,6 +45,8 @@ def install() -> None:
                 column.overflow = "fold"  # a long word (a flag named in the help) breaks rather than ends in "…"
 
     rich_utils.Table = WholeNames
+    if hasattr(rich_utils, "rich_format_error"):
+        rich_utils.rich_format_error = _one_line
     shown = getattr(core.TyperOption, "display_type_rich", None)
 
     def display_type_rich(self, ctx):

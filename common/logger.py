@@ -138,6 +138,7 @@ class MetricsLogger:
 
         self.save_path.mkdir(parents=True, exist_ok=True)
         cfg = json.loads(json.dumps(config or {}, default=_jsonable))
+        cfg["versions"], cfg["git_commit"] = versions(), git_commit()  # what produced the run
         # The final model is saved in this folder too, and its config.json is the model's: the run's
         # options live under the "hybridrl" key of the same file (kept when the model is saved).
         cfg_path = self.save_path / "config.json"

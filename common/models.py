@@ -60,11 +60,24 @@ def attn_implementation(flash_attn: bool | str) -> tuple[str, str | None]:
     return "sdpa", "--flash_attn: flash-attention is not available here; using PyTorch SDPA attention"
 
 
-def load_tokenizer(path: str, *, padding_side: str = "right"):
+def _not_loadable(what: str, path: str, e: Exception) -> UserError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if not os.path.isdir(path):  # a hub id: offline, unreachable, gated or misspelt
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        return UserError(f"{what} {path}: not a local folder, and not in the Hugging Face cache"
+                         f"{' with the hub offline (HF_HUB_OFFLINE=1)' if offline else ' nor fetchable from the hub'}"
+                         f"; download it first (hf download {path}) or give a model folder ({first})")
+    return UserError(f"{what} {path}: could not be loaded ({first})")
+
+
+def load_tokenizer(path: str, *, padding_side: str = "right", what: str = "--pretrain"):
     from transformers import AutoTokenizer
 
-    _check_folder(path, "tokenizer")
-    tok = AutoTokenizer.from_pretrained(path)
+    _check_folder(path, what)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _not_loadable(what, path, e) from e
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise UserError(f"tokenizer {path}: it has neither a pad nor an eos token; add a pad token to it")
@@ -79,7 +92,7 @@ def _load(cls, path: str, what: str, *, dtype, attn_impl: str, **kw):
     try:
         return cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_impl, **kw)
     except (OSError, ValueError) as e:
-        raise UserError(f"{what} {path}: could not be loaded ({str(e).splitlines()[0]})") from e
+        raise _not_loadable(what, path, e) from e
 
 
 def load_causal_lm(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa"):

@@ -106,6 +106,9 @@ def openrlhf_flags(script: str):
                 ours = {n: kw[n] for n in declared}
                 _current = translate(ours, {n: kw[n] for n in extras}, given, extras,
                                      {n: declared[n].default for n in defaults if n in declared}, defaults)
+                from common.errors import check_output_folders
+
+                check_output_folders(ours)  # every script's main runs through here: checked before torch loads
             return main(**ours)
 
         wrapper.__signature__ = sig.replace(parameters=params)

@@ -79,7 +79,8 @@ MaxSteps = Annotated[Optional[int], opt("max_steps", "Stop after this many optim
 TrainBatchSize = Annotated[int, opt("train_batch_size", "Global batch per optimizer step (all ranks, all accumulation steps).", OPTIM, min=1)]
 MicroTrainBatchSize = Annotated[int, opt("micro_train_batch_size", "Batch per rank per forward/backward.", OPTIM, min=1)]
 WarmupRatio = Annotated[float, opt("lr_warmup_ratio", "Fraction of steps with linear warm-up.", OPTIM, min=0.0, max=1.0)]
-LRScheduler = Annotated[str, opt("lr_scheduler", "cosine_with_min_lr | linear | constant_with_warmup | cosine.", OPTIM)]
+LRScheduler = Annotated[Literal["cosine_with_min_lr", "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt", "warmup_stable_decay", "cosine_warmup_with_min_lr"],
+                        opt("lr_scheduler", "Learning-rate schedule (transformers' get_scheduler names).", OPTIM)]
 WeightDecay = Annotated[float, opt("l2", "AdamW weight decay.", OPTIM, min=0.0)]
 AdamBetas = Annotated[tuple[float, float], opt("adam_betas", "AdamW betas.", OPTIM)]
 MaxNorm = Annotated[float, opt("max_norm", "Gradient clipping norm (0 = off).", OPTIM, min=0.0)]
@@ -112,7 +113,7 @@ WandbRunName = Annotated[Optional[str], opt("wandb_run_name", "wandb run name.",
 UseTensorboard = Annotated[Optional[str], opt("use_tensorboard", "Write TensorBoard logs to this folder.", LOG)]
 
 # --- Algorithm (reward model / DPO) ------------------------------------------------------------
-RMLoss = Annotated[str, opt("loss", "Reward-model loss: sigmoid (Bradley-Terry, optional margin) or logexp.", ALGO)]
+RMLoss = Annotated[Literal["sigmoid", "logexp"], opt("loss", "Reward-model loss: sigmoid (Bradley-Terry, optional margin) or logexp.", ALGO)]
 MarginKey = Annotated[str, opt("margin_key", "Column with a per-pair margin for the Bradley-Terry loss (used when present).", DATA)]
 Beta = Annotated[float, opt("beta", "DPO temperature: strength of the implicit KL to the reference.", ALGO, min=0.0)]
 LabelSmoothing = Annotated[float, opt("label_smoothing", "Conservative DPO: assumed fraction of flipped labels.", ALGO, min=0.0, max=0.5)]
@@ -122,10 +123,10 @@ ComputeFP32Loss = Annotated[bool, flag("compute_fp32_loss", "Compute the loss in
 NLLLossCoef = Annotated[float, opt("nll_loss_coef", "Weight of an NLL term on the chosen responses (RPO).", ALGO, min=0.0)]
 
 # --- Algorithm (online RL) ---------------------------------------------------------------------
-AdvantageEstimator = Annotated[str, opt("advantage_estimator", "gae (PPO) | reinforce (REINFORCE++) | reinforce_baseline | rloo | group_norm (GRPO) | dr_grpo.", ALGO)]
+AdvantageEstimator = Annotated[Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"], opt("advantage_estimator", "gae (PPO) | reinforce (REINFORCE++) | reinforce_baseline | rloo | group_norm (GRPO) | dr_grpo.", ALGO)]
 NSamples = Annotated[Optional[int], opt("n_samples_per_prompt", "Responses sampled per prompt, a group (default: 8 for group estimators, else 1).", ALGO, min=1)]
 InitKLCoef = Annotated[float, opt("init_kl_coef", "KL penalty coefficient (0: no reference model at all).", ALGO, min=0.0)]
-KLEstimator = Annotated[str, opt("kl_estimator", "k1 | k2 | k3 (Schulman's estimators of KL(pi || ref)).", ALGO)]
+KLEstimator = Annotated[Literal["k1", "k2", "k3"], opt("kl_estimator", "k1 | k2 | k3 (Schulman's estimators of KL(pi || ref)).", ALGO)]
 UseKLLoss = Annotated[bool, flag("use_kl_loss", "Put the KL term in the loss (GRPO) instead of in the reward.", ALGO)]
 Gamma = Annotated[float, opt("gamma", "Discount factor.", ALGO, min=0.0, max=1.0)]
 Lambd = Annotated[float, opt("lambd", "GAE lambda.", ALGO, min=0.0, max=1.0)]
@@ -182,7 +183,7 @@ ColocateAll = Annotated[bool, flag("colocate_all_models", "All models (and vLLM 
 VllmNumEngines = Annotated[int, opt("vllm_num_engines", "vLLM engines for rollouts (0: the policy generates itself).", ROLLOUT, min=0)]
 VllmTP = Annotated[int, opt("vllm_tensor_parallel_size", "GPUs per vLLM engine.", ROLLOUT, min=1)]
 VllmGpuMemUtil = Annotated[float, opt("vllm_gpu_memory_utilization", "Fraction of GPU memory vLLM may take.", ROLLOUT, min=0.0, max=1.0)]
-VllmSyncBackend = Annotated[str, opt("vllm_sync_backend", "Weight sync transport: auto | cuda_ipc | nccl | gloo | ray (auto: CUDA IPC on a shared GPU, NCCL between GPUs, gloo on CPU).", ROLLOUT)]
+VllmSyncBackend = Annotated[Literal["auto", "cuda_ipc", "nccl", "gloo", "ray"], opt("vllm_sync_backend", "Weight sync transport: auto | cuda_ipc | nccl | gloo | ray (auto: CUDA IPC on a shared GPU, NCCL between GPUs, gloo on CPU).", ROLLOUT)]
 VllmEnableSleep = Annotated[bool, flag("vllm_enable_sleep", "Put vLLM to sleep while training (hybrid engine; needs --colocate_all_models).", ROLLOUT)]
 EnablePrefixCaching = Annotated[bool, flag("enable_prefix_caching", "vLLM prefix caching.", ROLLOUT)]
 StaticKVCache = Annotated[bool, flag("static_kv_cache", "Without vLLM: generate with a preallocated KV cache; on GPU each decode step is compiled and replayed as one CUDA graph (the first rollout compiles, ~30-45 s for a 0.5B model; not with ZeRO-3).", ROLLOUT)]

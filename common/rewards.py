@@ -176,8 +176,8 @@ def score_with_function(fn: RewardFn, prompts: list[str], completions: list[str]
     if worker.is_alive():
         if skip_bad:
             return [None] * n, n
-        raise UserError(f"{source} did not return within {timeout_s:g} s for {first} ({n} completions); "
-                        f"make it faster or raise the timeout")
+        raise UserError(f"{source} did not return within {timeout_s:g} s (--reward_timeout) for {first} "
+                        f"({n} completions); make it faster or raise --reward_timeout")
     if "error" in box:
         e = box["error"]
         if skip_bad:
@@ -258,7 +258,8 @@ class RemoteReward:
             time.sleep(self.backoff_s * 2 ** (attempt - 1))
         tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
         raise UserError(f"{self.source} failed after {tries}: {cause} (batch starting with prompt "
-                        f"{offset} {_show(prompts[0]) if prompts else ''})")
+                        f"{offset} {_show(prompts[0]) if prompts else ''}; each attempt may take up to "
+                        f"--reward_timeout {self.timeout_s:g} s, with backoff between attempts)")
 
     def close(self) -> None:
         self.session.close()

@@ -114,7 +114,7 @@ class RLRun:
 
         n = a["n_samples_per_prompt"]
         self.log = log = MetricsLogger(
-            a["save_path"], self.total_steps, enabled=True, config=a, use_wandb=a["use_wandb"],
+            a["save_path"], self.total_steps, enabled=True, config=dict(a, pretrain=self.pretrain), use_wandb=a["use_wandb"],
             wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"], tensorboard_dir=a["use_tensorboard"],
             title=title, plot_keys=plot_keys, start_step=state["step"] + 1, append=bool(self.resumed))
         log.banner(f"hybridrl {title}", {
@@ -133,6 +133,10 @@ class RLRun:
         for note in derived:
             log.info(f"default: {note}")
         gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
+        positions = _positions(self.pretrain)
+        if positions and a["prompt_max_len"] + a["generate_max_len"] > positions:
+            notes = notes + [f"--prompt_max_len {a['prompt_max_len']} + --generate_max_len {a['generate_max_len']} "
+                             f"exceeds the model's {positions} positions: longer sequences are cut there"]
         for note in [m for info in infos for m in info[0]["notes"]] + ([gen_note] if gen_note else []) + notes:
             log.warn_once(note, note)
         from common.rl_eval import BestCheckpoint
@@ -280,3 +284,14 @@ def text_scorer(a: dict):
     if a["reward_pretrain"]:
         return None
     return lambda p, c, lab: score_with_function(builtin, p, c, lab, timeout_s=timeout)
+
+
+def _positions(path: str) -> int | None:
+    """The model's max_position_embeddings, from its config.json (None when it has none)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
