@@ -204,23 +204,12 @@ def train(a: dict, plan, derived: list[str]) -> None:
     from common.losses import aggregate, masked_mean, policy_loss, sampler_gap
     from common.rl_run import RLRun
     from common.rollout import make_batch, split_batch
-    from common.workers import ModelSpec
 
     run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl_run.py)
-    n, pretrain = a["n_samples_per_prompt"], run.pretrain
+    n = a["n_samples_per_prompt"]
 
     # ---- the models: the actor (it also samples when there are no vLLM engines), the reference, a reward model
-    common = dict(bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
-                  packing=a["packing_samples"])
-    share = a["share_prompt_prefix"]  # the causal LMs' forwards only: value models run whole rows
-    specs = {"actor": ModelSpec(pretrain, "causal_lm", True, run.settings, optim=run.optim(a["actor_learning_rate"]),
-                                static_cache=a["static_kv_cache"], share_prefix=share, liger=a["use_liger_kernel"], **common)}
-    if "ref" in run.roles:
-        specs["ref"] = ModelSpec(pretrain, "causal_lm", False, run.settings, share_prefix=share,
-                                 offload=a["ref_reward_offload"], **common)
-    if "reward" in run.roles:
-        specs["reward"] = ModelSpec(a["reward_pretrain"], "value", False, run.settings, offload=a["ref_reward_offload"],
-                                    value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"], **common)
+    specs = run.policy_specs()
     state = run.start(specs, title="train_grpo", plot_keys=("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean"),
                       derived=derived, notes=template_notes(a))
     actor, log, tokenizer = run.actor, run.log, run.tokenizer

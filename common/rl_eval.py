@@ -1,4 +1,5 @@
-"""The RL scripts' prompt sets and evaluation: training and held-out prompts, pass@k, the best checkpoint.
+"""The RL scripts' prompt sets, reward source and evaluation: training and held-out prompts, the scorer
+of decoded responses, pass@k, the best checkpoint.
 
 --eval_dataset (with --eval_split) gives held-out prompts in the training data's format; without it
 the built-in task keeps its held-out split and a user's --prompt_data has none. Every evaluation
@@ -79,3 +80,22 @@ class BestCheckpoint:
 
     def state(self) -> dict:
         return {"key": self.key, "value": self.value}
+
+
+def text_scorer(a: dict):
+    """score_text(prompts, completions, labels) -> (values, skipped) for the RL scripts' reward flags
+    (--reward_func, --remote_rm_url, else the built-in task's rule), or None with --reward_pretrain,
+    whose workers score instead."""
+    from common.rewards import RemoteReward, load_reward_func, score_with_function
+    from common.tasks import reward_func as builtin
+
+    timeout, skip = a["reward_timeout"], a["skip_bad_rewards"]
+    if a["reward_func"]:
+        fn = load_reward_func(a["reward_func"])
+        return lambda p, c, lab: score_with_function(fn, p, c, lab, timeout_s=timeout, skip_bad=skip)
+    if a["remote_rm_url"]:
+        remote = RemoteReward(a["remote_rm_url"], timeout_s=timeout)
+        return lambda p, c, lab: remote(p, c, lab, skip_bad=skip)
+    if a["reward_pretrain"]:
+        return None
+    return lambda p, c, lab: score_with_function(builtin, p, c, lab, timeout_s=timeout)

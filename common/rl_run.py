@@ -29,7 +29,7 @@ class RLRun:
         from common.ray_groups import create_placement_groups, init_ray
         from common.resources import check_fits
         from common.rl_checks import cpu_refused
-        from common.rl_eval import load_prompts
+        from common.rl_eval import load_prompts, text_scorer
 
         self.a, self.plan = a, plan
         random.seed(a["seed"])
@@ -73,6 +73,30 @@ class RLRun:
         a = self.a
         return dict(lr=lr, total_steps=int(self.total_steps * self.optim_steps), warmup_ratio=a["lr_warmup_ratio"],
                     scheduler=a["lr_scheduler"], betas=a["adam_betas"], weight_decay=a["l2"])
+
+    def spec(self, path: str, kind: str, lr: float | None = None, **kw):
+        """A role's ModelSpec from the shared flags: trained when given a learning rate; value models
+        (reward, critic) with the value-head flags, causal LMs with --share_prompt_prefix."""
+        from common.workers import ModelSpec
+
+        a = self.a
+        extra = (dict(value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"]) if kind == "value"
+                 else dict(share_prefix=a["share_prompt_prefix"]))  # value models run whole rows
+        return ModelSpec(path, kind, lr is not None, self.settings, optim=self.optim(lr) if lr is not None else {},
+                         bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
+                         packing=a["packing_samples"], **extra, **kw)
+
+    def policy_specs(self) -> dict:
+        """The actor (which also samples without vLLM engines), and the reference and reward model when the
+        resource plan has them."""
+        a = self.a
+        specs = {"actor": self.spec(self.pretrain, "causal_lm", a["actor_learning_rate"],
+                                    static_cache=a["static_kv_cache"], liger=a["use_liger_kernel"])}
+        if "ref" in self.roles:
+            specs["ref"] = self.spec(self.pretrain, "causal_lm", offload=a["ref_reward_offload"])
+        if "reward" in self.roles:
+            specs["reward"] = self.spec(a["reward_pretrain"], "value", offload=a["ref_reward_offload"])
+        return specs
 
     def start(self, specs: dict, *, title: str, plot_keys: tuple, derived: list[str], notes: list[str]) -> dict:
         """Start a worker group per role ({role: ModelSpec}, the actor first), the engines, the weight sync;
@@ -265,25 +289,6 @@ class RLRun:
             g.shutdown()
         for e in self.engines:
             ray.kill(e)
-
-
-def text_scorer(a: dict):
-    """score_text(prompts, completions, labels) -> (values, skipped) for the RL scripts' reward flags
-    (--reward_func, --remote_rm_url, else the built-in task's rule), or None with --reward_pretrain,
-    whose workers score instead."""
-    from common.rewards import RemoteReward, load_reward_func, score_with_function
-    from common.tasks import reward_func as builtin
-
-    timeout, skip = a["reward_timeout"], a["skip_bad_rewards"]
-    if a["reward_func"]:
-        fn = load_reward_func(a["reward_func"])
-        return lambda p, c, lab: score_with_function(fn, p, c, lab, timeout_s=timeout, skip_bad=skip)
-    if a["remote_rm_url"]:
-        remote = RemoteReward(a["remote_rm_url"], timeout_s=timeout)
-        return lambda p, c, lab: remote(p, c, lab, skip_bad=skip)
-    if a["reward_pretrain"]:
-        return None
-    return lambda p, c, lab: score_with_function(builtin, p, c, lab, timeout_s=timeout)
 
 
 def _positions(path: str) -> int | None:
