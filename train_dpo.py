@@ -100,10 +100,10 @@ def main(
         o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
                 f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
-        train(options)
+        train(o.typed(options, main, "DPOOptions"))  # a misspelt option is an AttributeError
 
 
-def train(a: dict) -> None:
+def train(a: o.Options) -> None:
     from common import cpu_threads
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
@@ -119,87 +119,87 @@ def train(a: dict) -> None:
     from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
 
     dist = ds.setup_distributed()
-    torch.manual_seed(a["seed"])
-    dtype, dtype_note = ds.resolve_dtype(a["bf16"], dist.device)
-    attn, attn_note = attn_implementation(a["flash_attn"])
-    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
-                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
+    torch.manual_seed(a.seed)
+    dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
+    attn, attn_note = attn_implementation(a.flash_attn)
+    settings = ds.DSSettings(zero_stage=a.zero_stage, bf16=dtype == torch.bfloat16, adam_offload=a.adam_offload,
+                             gradient_checkpointing=a.gradient_checkpointing, max_norm=a.max_norm,
+                             micro_train_batch_size=a.micro_train_batch_size, train_batch_size=a.train_batch_size,
+                             autocast=a.torch_autocast, compile=a.torch_compile, **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
     memory = memory_plan.preflight(a, "dpo", world_size=dist.world_size)  # refused here if it cannot fit the GPU
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
-    pretrain = resolve_pretrain(a["pretrain"])
+    pretrain = resolve_pretrain(a.pretrain)
     tokenizer = load_tokenizer(pretrain)
-    set_chat_template(tokenizer, a["tokenizer_chat_template"])
+    set_chat_template(tokenizer, a.tokenizer_chat_template)
     train_pairs, train_src, eval_pairs, eval_src = load_preference_data(
-        a["dataset"], a["eval_dataset"], tokenizer, max_samples=a["max_samples"], chosen_key=a["chosen_key"],
-        rejected_key=a["rejected_key"], prompt_key=a["prompt_key"], apply_chat_template=a["apply_chat_template"],
-        max_len=a["max_len"], input_template=a["input_template"], dataset_probs=a["dataset_probs"],
-        dataset_split=a["dataset_split"], eval_split=a["eval_split"], seed=a["seed"])
-    B = a["train_batch_size"]
+        a.dataset, a.eval_dataset, tokenizer, max_samples=a.max_samples, chosen_key=a.chosen_key,
+        rejected_key=a.rejected_key, prompt_key=a.prompt_key, apply_chat_template=a.apply_chat_template,
+        max_len=a.max_len, input_template=a.input_template, dataset_probs=a.dataset_probs,
+        dataset_split=a.dataset_split, eval_split=a.eval_split, seed=a.seed)
+    B = a.train_batch_size
     if len(train_pairs) < B:
         raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")
     steps_per_epoch = len(train_pairs) // B
-    total_steps = a["max_steps"] or steps_per_epoch * a["max_epochs"]
+    total_steps = a.max_steps or steps_per_epoch * a.max_epochs
 
     # ---- models: the policy (trained) and the reference (frozen)
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
     policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
     notes = template_notes(a, "--prompt_key")
-    if a["use_liger_kernel"]:  # the policy only, as OpenRLHF
+    if a.use_liger_kernel:  # the policy only, as OpenRLHF
         from common.liger import apply_liger
 
         notes.append(apply_liger(policy, dist.device))
-    engine = ds.initialize(policy, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
-                           warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
-                           betas=a["adam_betas"], weight_decay=a["l2"], min_lr_ratio=a["min_lr_ratio"])
+    engine = ds.initialize(policy, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
+                           warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
+                           betas=a.adam_betas, weight_decay=a.l2, min_lr_ratio=a.min_lr_ratio)
     # --ref_offload: ZeRO-3 keeps the reference's shards in CPU memory; other stages keep the whole model
     # there and move it over for each forward pass (ref_logps). On a CPU it is there anyway.
-    offload = a["ref_offload"] and dist.device.type == "cuda"
-    move_ref = offload and a["zero_stage"] != 3
-    if a["ref_offload"] and not offload:
+    offload = a.ref_offload and dist.device.type == "cuda"
+    move_ref = offload and a.zero_stage != 3
+    if a.ref_offload and not offload:
         notes.append("--ref_offload: on the CPU the reference is in CPU memory anyway")
     _keep = ds.zero3_loading(ds.eval_config(settings, dtype, offload))  # noqa: F841
-    reference = ds.initialize_eval(load_causal_lm(resolve_pretrain(a["ref_pretrain"] or a["pretrain"]), dtype=dtype,
+    reference = ds.initialize_eval(load_causal_lm(resolve_pretrain(a.ref_pretrain or a.pretrain), dtype=dtype,
                                                   attn_impl=attn), settings, dtype, dist.device, offload=offload)
 
     # ---- resume
-    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+    ckpt_root = a.ckpt_path or os.path.join(a.save_path, "checkpoints")
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "skipped_updates": 0}
-    resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
+    resume_from = latest_checkpoint(ckpt_root) if a.load_checkpoint else None
     if resume_from:
         state = load_checkpoint(resume_from, {"policy": engine}, rank=dist.rank)
 
-    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
-                        use_wandb=a["use_wandb"],
-                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
-                        tensorboard_dir=a["use_tensorboard"],
+    log = MetricsLogger(a.save_path, total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
+                        use_wandb=a.use_wandb,
+                        wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name,
+                        tensorboard_dir=a.use_tensorboard,
                         plot_keys=("train/loss", "train/reward_acc", "train/reward_margin", "eval/reward_acc"),
                         title="DPO", start_step=state["step"] + 1, append=bool(resume_from))
     log.banner("hybridrl train_dpo", {
-        "run": {"model": pretrain, "loss": "IPO" if a["ipo"] else f"DPO (beta {a['beta']}, label smoothing {a['label_smoothing']})",
+        "run": {"model": pretrain, "loss": "IPO" if a.ipo else f"DPO (beta {a.beta}, label smoothing {a.label_smoothing})",
                 "data": f"{train_src} ({len(train_pairs)} pairs)",
                 "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
-                "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
-                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
+                "zero stage": a.zero_stage, "batch": f"{B} = {a.micro_train_batch_size} x {accum} accum x {dist.world_size} ranks",
+                "steps": total_steps, "resumed from": resume_from or "-", "output": a.save_path, "git": git_commit()},
         "versions": versions()})
     memory_plan.show(log, memory)
-    if a["packing_samples"] and attn != "flash_attention_2":
+    if a.packing_samples and attn != "flash_attention_2":
         notes.append("--packing_samples without flash-attention: SDPA with a block-diagonal mask, whose memory grows "
                      "with the square of the packed length (--flash_attn on a GPU needs none)")
-    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device), *notes):
+    for note in (dtype_note, attn_note, ds.zero_note(a.zero_stage, dist.world_size, dist.device), *notes):
         if note:
             log.warn_once(note, note)
 
     def logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence response log-probs [2B] (mean per token under IPO) and token log-probs [2B, T-1]."""
         token_lp = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                       packing=a["packing_samples"], flash=attn == "flash_attention_2")
-        return sequence_logprobs(token_lp, batch["loss_mask"][:, 1:], average=a["ipo"]), token_lp
+                                       packing=a.packing_samples, flash=attn == "flash_attention_2")
+        return sequence_logprobs(token_lp, batch["loss_mask"][:, 1:], average=a.ipo), token_lp
 
     def ref_logps(batch) -> torch.Tensor:
         if move_ref:
@@ -217,10 +217,10 @@ def train(a: dict) -> None:
         b = len(pairs)
         ref = ref_logps(batch)
         pol, token_lp = logps(engine, batch)
-        loss, r_c, r_r = dpo_loss(pol[:b], pol[b:], ref[:b], ref[b:], a["beta"],
-                                  label_smoothing=a["label_smoothing"], ipo=a["ipo"])
-        if a["nll_loss_coef"] > 0:
-            loss = loss + a["nll_loss_coef"] * nll_loss(token_lp[:b], batch["loss_mask"][:b, 1:])
+        loss, r_c, r_r = dpo_loss(pol[:b], pol[b:], ref[:b], ref[b:], a.beta,
+                                  label_smoothing=a.label_smoothing, ipo=a.ipo)
+        if a.nll_loss_coef > 0:
+            loss = loss + a.nll_loss_coef * nll_loss(token_lp[:b], batch["loss_mask"][:b, 1:])
         stats = {"correct": (r_c > r_r).sum().item(), "margin": (r_c - r_r).sum().item(),
                  "chosen": r_c.sum().item(), "rejected": r_r.sum().item(), "tokens": batch["attention_mask"].sum().item()}
         return loss, stats
@@ -230,8 +230,8 @@ def train(a: dict) -> None:
         t = torch.zeros(4, dtype=torch.float64)  # loss, correct, margin, count
         mine = eval_pairs[dist.rank::dist.world_size]
         with torch.no_grad():
-            for i in range(0, len(mine), a["micro_train_batch_size"]):
-                chunk = mine[i: i + a["micro_train_batch_size"]]
+            for i in range(0, len(mine), a.micro_train_batch_size):
+                chunk = mine[i: i + a.micro_train_batch_size]
                 loss, s = pair_loss(chunk)
                 t += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], len(chunk)], dtype=torch.float64)
         if dist.world_size > 1:
@@ -242,9 +242,9 @@ def train(a: dict) -> None:
 
     # ---- train
     per_rank = B // dist.world_size
-    micro = a["micro_train_batch_size"]
+    micro = a.micro_train_batch_size
     step, skipped = state["step"], state.get("skipped_updates", 0)  # older checkpoints have no count
-    batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
+    batches = iterate_batches(len(train_pairs), B, a.seed, start_epoch=state["epoch"], start_step=state["step_in_epoch"])
     preempt = Preemption()
     engine.train()
     while step < total_steps:
@@ -255,7 +255,7 @@ def train(a: dict) -> None:
         for i in range(0, per_rank, micro):
             chunk = mine[i: i + micro]
             loss, s = pair_loss(chunk)
-            if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
+            if not torch.isfinite(loss) and not a.skip_nonfinite_updates:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the policy loss is {loss.item()}; lower the learning rate "
                                     "or check the data, or pass --skip_nonfinite_updates to skip such updates "
                                     "(nothing after the last checkpoint was saved)")
@@ -265,7 +265,7 @@ def train(a: dict) -> None:
             engine.step()
             sums += torch.tensor([loss.item() * len(chunk), s["correct"], s["margin"], s["chosen"], s["rejected"],
                                   s["tokens"]], dtype=torch.float64)
-        skipped += updates.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the policy",
+        skipped += updates.update_skipped(engine, allow=a.skip_nonfinite_updates, who=f"step {step + 1}: the policy",
                                      fix="Lower the learning rate or check the data (nothing after the last checkpoint "
                                      "was saved)")
         if dist.world_size > 1:
@@ -278,24 +278,24 @@ def train(a: dict) -> None:
                    "train/rejected_reward": sums[4].item() / B, "train/lr": engine.get_lr()[0],
                    "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": sums[5].item() / dt, "train/epoch": epoch}
-        if a["skip_nonfinite_updates"]:
+        if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
             metrics.update(memory_plan.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
-        if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
-                           (a["eval_steps"] <= 0 and epoch_end) or last):
+        if eval_pairs and ((a.eval_steps > 0 and step % a.eval_steps == 0) or
+                           (a.eval_steps <= 0 and epoch_end) or last):
             metrics.update(evaluate())
-        if step % a["logging_steps"] == 0 or last or "eval/reward_acc" in metrics:
+        if step % a.logging_steps == 0 or last or "eval/reward_acc" in metrics:
             log.log(step, metrics)
         preempted = not last and preempt.requested()
-        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
+        if (a.save_steps > 0 and step % a.save_steps == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"policy": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
-                                   rank=dist.rank, max_keep=a["max_ckpt_num"],
-                                   hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
+                                   rank=dist.rank, max_keep=a.max_ckpt_num,
+                                   hf_tokenizer=tokenizer if a.save_hf_ckpt else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
@@ -303,8 +303,8 @@ def train(a: dict) -> None:
             log.close()
             return
 
-    ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
-    log.info(f"policy saved to {a['save_path']}")
+    ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
+    log.info(f"policy saved to {a.save_path}")
     log.close()
 
 

@@ -153,6 +153,7 @@ def main(
     a = orl.options(locals())
     with exit_on_user_error():
         derived = rl_checks.derived_defaults(a, GROUP_ESTIMATORS)  # defaults that follow from other flags
+        a = o.typed(a, main, "GRPOOptions")  # a misspelt option is an AttributeError, not a silent None
         check_options(a)
         plan = resource_plan(a)
         if dry_run:
@@ -169,8 +170,8 @@ def main(
         train(a, plan, derived)
 
 
-def check_options(a: dict) -> None:
-    est = a["advantage_estimator"]
+def check_options(a: o.Options) -> None:
+    est = a.advantage_estimator
     require(est in GROUP_ESTIMATORS + ("reinforce",),
             f"--advantage_estimator {est}: train_grpo.py takes {', '.join(GROUP_ESTIMATORS)} or reinforce; "
             "for gae (a critic) use train_ppo.py")
@@ -178,23 +179,23 @@ def check_options(a: dict) -> None:
     template_notes(a)  # --input_template: errors here, notes in the banner
 
 
-def resource_plan(a: dict):
+def resource_plan(a: o.Options):
     import shutil
 
     from common.resources import plan_resources
 
     # A dry run shows the layout the flags ask for (GPUs), wherever it runs.
-    use_gpu = a["dry_run"] or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
+    use_gpu = a.dry_run or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
     return plan_resources(
-        actor=(a["actor_num_nodes"], a["actor_num_gpus_per_node"]), critic=None,
-        ref=(a["ref_num_nodes"], a["ref_num_gpus_per_node"]) if a["init_kl_coef"] > 0 else None,
-        reward=(a["reward_num_nodes"], a["reward_num_gpus_per_node"]) if a["reward_pretrain"] else None,
-        vllm_num_engines=a["vllm_num_engines"], vllm_tp=a["vllm_tensor_parallel_size"],
-        colocate_actor_ref=a["colocate_actor_ref"], colocate_critic_reward=False,
-        colocate_all_models=a["colocate_all_models"], use_gpu=use_gpu)
+        actor=(a.actor_num_nodes, a.actor_num_gpus_per_node), critic=None,
+        ref=(a.ref_num_nodes, a.ref_num_gpus_per_node) if a.init_kl_coef > 0 else None,
+        reward=(a.reward_num_nodes, a.reward_num_gpus_per_node) if a.reward_pretrain else None,
+        vllm_num_engines=a.vllm_num_engines, vllm_tp=a.vllm_tensor_parallel_size,
+        colocate_actor_ref=a.colocate_actor_ref, colocate_critic_reward=False,
+        colocate_all_models=a.colocate_all_models, use_gpu=use_gpu)
 
 
-def train(a: dict, plan, derived: list[str]) -> None:
+def train(a: o.Options, plan, derived: list[str]) -> None:
     from common import cpu_threads
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
@@ -206,23 +207,23 @@ def train(a: dict, plan, derived: list[str]) -> None:
     from common.rollout import make_batch, split_batch
 
     run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl_run.py)
-    n = a["n_samples_per_prompt"]
+    n = a.n_samples_per_prompt
 
     # ---- the models: the actor (it also samples when there are no vLLM engines), the reference, a reward model
     specs = run.policy_specs()
     state = run.start(specs, title="train_grpo", plot_keys=("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean"),
                       derived=derived, notes=template_notes(a))
     actor, log, tokenizer = run.actor, run.log, run.tokenizer
-    sampling = dict(n=n, temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["generate_max_len"],
-                    micro_batch=max(1, a["micro_rollout_batch_size"] // n))
+    sampling = dict(n=n, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.generate_max_len,
+                    micro_batch=max(1, a.micro_rollout_batch_size // n))
 
     # The loss the actor's workers run; it travels to them by value, so an edited copy of this script
     # trains with its own loss. out["logprobs"]: [b, t-1]; micro: this micro-batch's tensors.
-    eps_low, eps_high = a["eps_clip_low_high"] or (a["eps_clip"], a["eps_clip"])
-    kl_in_loss = a["use_kl_loss"] and a["init_kl_coef"] > 0
-    kl_ctl = KLController(a["init_kl_coef"], a["kl_target"], a["kl_horizon"])
-    correction = (a["vllm_is_correction_type"], *a["vllm_is_truncated_threshold"]) if a["enable_vllm_is_correction"] else None
-    gspo_vs_sampler = a["policy_loss_type"] == "gspo" and correction is not None  # GSPO's ratio against vLLM's log-probs
+    eps_low, eps_high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
+    kl_in_loss = a.use_kl_loss and a.init_kl_coef > 0
+    kl_ctl = KLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
+    correction = (a.vllm_is_correction_type, *a.vllm_is_truncated_threshold) if a.enable_vllm_is_correction else None
+    gspo_vs_sampler = a.policy_loss_type == "gspo" and correction is not None  # GSPO's ratio against vLLM's log-probs
 
     def actor_loss(out, micro):
         # Each term is this micro-batch's share of the step's mean (common.losses.aggregate): the
@@ -234,22 +235,22 @@ def train(a: dict, plan, derived: list[str]) -> None:
             gap, is_weights = sampler_gap(out["logprobs"], micro["gen_logprobs"], mask, correction)
             stats = {f"rollout/{k}": v for k, v in gap.items()}
         loss, clip_frac, approx_kl = policy_loss(
-            out["logprobs"], old, micro["advantages"], mask, eps_low, eps_high, a["dual_clip"], a["loss_agg_mode"],
-            is_weights=is_weights, loss_type=a["policy_loss_type"],
-            gen_logp=micro["gen_logprobs"] if gspo_vs_sampler else None, norm_len=a["generate_max_len"], **counts)
+            out["logprobs"], old, micro["advantages"], mask, eps_low, eps_high, a.dual_clip, a.loss_agg_mode,
+            is_weights=is_weights, loss_type=a.policy_loss_type,
+            gen_logp=micro["gen_logprobs"] if gspo_vs_sampler else None, norm_len=a.generate_max_len, **counts)
         stats.update(policy_loss=loss.item(), clip_frac=clip_frac.item(), approx_kl=approx_kl.item())
         if kl_in_loss:  # a token mean over the step, whatever --loss_agg_mode (as OpenRLHF's KL loss)
-            kl = aggregate(kl_estimate(out["logprobs"], micro["ref_logprobs"], a["kl_estimator"]), mask, "token_mean", **counts)
+            kl = aggregate(kl_estimate(out["logprobs"], micro["ref_logprobs"], a.kl_estimator), mask, "token_mean", **counts)
             loss = loss + kl_ctl.value * kl
             stats["kl_loss"] = kl.item()
         if out["entropy"] is not None:
-            if a["entropy_loss_coef"]:  # else logged only: no backward through a full-vocabulary softmax
-                loss = loss - a["entropy_loss_coef"] * aggregate(out["entropy"], mask, "token_mean", **counts)
+            if a.entropy_loss_coef:  # else logged only: no backward through a full-vocabulary softmax
+                loss = loss - a.entropy_loss_coef * aggregate(out["entropy"], mask, "token_mean", **counts)
             stats["entropy"] = masked_mean(out["entropy"], mask).item()
         return loss, stats
 
     # ---- the RL loop: generate, score, reference and old log-probs, advantages, train, sync
-    batches = iterate_batches(len(run.prompts), a["rollout_batch_size"], a["seed"], start_epoch=state["episode"],
+    batches = iterate_batches(len(run.prompts), a.rollout_batch_size, a.seed, start_epoch=state["episode"],
                               start_step=state["step_in_episode"])
     step, skipped, stopped = state["step"], state["skipped_updates"], False
     while step < run.total_steps and not stopped:
@@ -260,8 +261,8 @@ def train(a: dict, plan, derived: list[str]) -> None:
 
         # 1. generate
         t0 = time.perf_counter()
-        check = a["enable_vllm_is_correction"] or step % a["logprob_diff_steps"] == 0  # the engines' log-probs
-        samples = run.generate(batch_prompts, sampling, seed=a["seed"] * 100_003 + step * 1009, logprobs=check)
+        check = a.enable_vllm_is_correction or step % a.logprob_diff_steps == 0  # the engines' log-probs
+        samples = run.generate(batch_prompts, sampling, seed=a.seed * 100_003 + step * 1009, logprobs=check)
         metrics["time/generate_s"] = time.perf_counter() - t0
         # inside vLLM (the rest is Ray moving prompts and samples): wall, CPU and garbage-collector seconds
         metrics.update({f"time/{k}": v for k, v in samples.extra.items()})
@@ -276,13 +277,13 @@ def train(a: dict, plan, derived: list[str]) -> None:
         metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
         usable = set(ok)
         groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in usable for j in range(n))]
-        if a["dynamic_filtering"]:  # DAPO: a group whose samples all pass (or all fail) teaches nothing
-            low, high = a["dynamic_filtering_reward_range"]
+        if a.dynamic_filtering:  # DAPO: a group whose samples all pass (or all fail) teaches nothing
+            low, high = a.dynamic_filtering_reward_range
             means = scores.view(-1, n).mean(-1)
             inside = ((means > low) & (means < high)).tolist()
             metrics["rollout/filtered_groups"] = sum(not inside[g] for g in groups_ok)
             groups_ok = [g for g in groups_ok if inside[g]]
-        keep_groups = _round_down(groups_ok, a, n, len(actor))
+        keep_groups = _round_down(groups_ok, n, len(actor))
         if not keep_groups:
             log.warn_once("empty", f"step {step + 1}: no prompt group left after filtering; skipping the update")
             step += 1
@@ -302,14 +303,14 @@ def train(a: dict, plan, derived: list[str]) -> None:
         # which needs them before the update). The engines' log-probs are then checked, and the IS
         # weights taken, in that forward too (actor_loss).
         t0 = time.perf_counter()
-        steps_per_pass = max(1, len(samples) // a["train_batch_size"])
-        fresh = a["max_epochs"] == 1 and steps_per_pass == 1 and (a["init_kl_coef"] == 0 or kl_in_loss)
+        steps_per_pass = max(1, len(samples) // a.train_batch_size)
+        fresh = a.max_epochs == 1 and steps_per_pass == 1 and (a.init_kl_coef == 0 or kl_in_loss)
         if not fresh:
-            batch["old_logprobs"] = run.per_rank(actor, "logprobs", batch, a["micro_rollout_batch_size"])
+            batch["old_logprobs"] = run.per_rank(actor, "logprobs", batch, a.micro_rollout_batch_size)
         if "ref" in run.groups:
-            batch["ref_logprobs"] = run.per_rank(run.groups["ref"], "logprobs", batch, a["micro_rollout_batch_size"])
+            batch["ref_logprobs"] = run.per_rank(run.groups["ref"], "logprobs", batch, a.micro_rollout_batch_size)
         if "old_logprobs" in batch and "ref_logprobs" in batch:
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a["kl_estimator"]) * mask
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_estimator) * mask
         else:
             kl = torch.zeros_like(mask)
         metrics["train/kl"] = masked_mean(kl, mask).item()
@@ -324,24 +325,24 @@ def train(a: dict, plan, derived: list[str]) -> None:
         # 4. advantages
         # --normalize_reward (OpenRLHF's) is applied by the reward model and the critic themselves (common.models)
         scores, penalized = length_penalties(
-            scores, mask.sum(-1), torch.tensor(samples.truncated), max_new_tokens=a["generate_max_len"],
-            overlong_buffer_len=a["overlong_buffer_len"], overlong_penalty_factor=a["overlong_penalty_factor"],
-            stop_properly_penalty_coef=a["stop_properly_penalty_coef"])
+            scores, mask.sum(-1), torch.tensor(samples.truncated), max_new_tokens=a.generate_max_len,
+            overlong_buffer_len=a.overlong_buffer_len, overlong_penalty_factor=a.overlong_penalty_factor,
+            stop_properly_penalty_coef=a.stop_properly_penalty_coef)
         metrics.update({f"rollout/{k}": v for k, v in penalized.items()})
         # group baseline, reward clip, the KL penalty in the token rewards, reward-to-go, whitening
         batch["advantages"], _ = rl_advantages(
-            scores, kl, mask, estimator=a["advantage_estimator"], n=n, kl_coef=0.0 if kl_in_loss else kl_ctl.value,
-            gamma=a["gamma"], std_norm=not a["no_advantage_std_norm"], reward_clip=tuple(a["reward_clip_range"]))
+            scores, kl, mask, estimator=a.advantage_estimator, n=n, kl_coef=0.0 if kl_in_loss else kl_ctl.value,
+            gamma=a.gamma, std_norm=not a.no_advantage_std_norm, reward_clip=tuple(a.reward_clip_range))
 
         # 5. train the actor: max_epochs passes, train_batch_size samples per optimizer step
         t0 = time.perf_counter()
         world = len(actor)
         history = []
-        for _ in range(a["max_epochs"]):
+        for _ in range(a.max_epochs):
             parts = actor.call_per_rank("train", [(b, actor_loss) for b in split_batch(batch, world)],
-                                        output="logprobs", micro_batch=a["micro_train_batch_size"],
-                                        steps=steps_per_pass, entropy=a["entropy_loss_coef"] is not None,
-                                        skip_nonfinite=a["skip_nonfinite_updates"], step=step + 1)
+                                        output="logprobs", micro_batch=a.micro_train_batch_size,
+                                        steps=steps_per_pass, entropy=a.entropy_loss_coef is not None,
+                                        skip_nonfinite=a.skip_nonfinite_updates, step=step + 1)
             history += parts[0]
         metrics["time/train_s"] = time.perf_counter() - t0
         skipped["actor"] += int(sum(h.pop("skipped") for h in history))  # a count, not averaged below
@@ -352,10 +353,10 @@ def train(a: dict, plan, derived: list[str]) -> None:
             metrics["train/kl"] = metrics["train/kl_loss"]
         kl_ctl.update(metrics["train/kl"], len(samples))
         metrics["train/kl_coef"] = kl_ctl.value
-        if metrics.get("rollout/logprob_diff", 0.0) > a["logprob_diff_warn"]:
+        if metrics.get("rollout/logprob_diff", 0.0) > a.logprob_diff_warn:
             log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
-                          f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a['logprob_diff_warn']})")
-        if a["skip_nonfinite_updates"]:
+                          f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a.logprob_diff_warn})")
+        if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped["actor"]
 
         # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run)
@@ -376,7 +377,7 @@ def train(a: dict, plan, derived: list[str]) -> None:
                           "collapsed to near-greedy; rewards may stop improving")
         if metrics["rollout/truncated_frac"] > 0.5:
             log.warn_once("trunc", f"step {step}: {metrics['rollout/truncated_frac']:.0%} of responses hit "
-                          f"--generate_max_len {a['generate_max_len']}")
+                          f"--generate_max_len {a.generate_max_len}")
         stopped = run.end_step(step, episode, step_in_episode, skipped, metrics)  # log, checkpoints, SIGTERM/Ctrl-C
         if step % 10 == 1:
             i = 0
@@ -385,7 +386,7 @@ def train(a: dict, plan, derived: list[str]) -> None:
     run.finish(stopped)
 
 
-def _round_down(groups_ok: list[int], a: dict, n: int, world: int) -> list[int]:
+def _round_down(groups_ok: list[int], n: int, world: int) -> list[int]:
     """Keep a number of prompt groups whose samples split evenly over the actor's ranks."""
     unit = math.lcm(world, n) // n
     k = len(groups_ok) // unit * unit

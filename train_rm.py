@@ -98,10 +98,10 @@ def main(
         o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
                 f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
-        train(options)
+        train(o.typed(options, main, "RMOptions"))  # a misspelt option is an AttributeError
 
 
-def train(a: dict) -> None:
+def train(a: o.Options) -> None:
     from common import cpu_threads
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
@@ -117,71 +117,71 @@ def train(a: dict) -> None:
     from common.models import attn_implementation, load_reward_model, load_tokenizer, resolve_pretrain
 
     dist = ds.setup_distributed()
-    torch.manual_seed(a["seed"])
-    dtype, dtype_note = ds.resolve_dtype(a["bf16"], dist.device)
-    attn, attn_note = attn_implementation(a["flash_attn"])
-    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
-                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
+    torch.manual_seed(a.seed)
+    dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
+    attn, attn_note = attn_implementation(a.flash_attn)
+    settings = ds.DSSettings(zero_stage=a.zero_stage, bf16=dtype == torch.bfloat16, adam_offload=a.adam_offload,
+                             gradient_checkpointing=a.gradient_checkpointing, max_norm=a.max_norm,
+                             micro_train_batch_size=a.micro_train_batch_size, train_batch_size=a.train_batch_size,
+                             autocast=a.torch_autocast, compile=a.torch_compile, **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
     memory = memory_plan.preflight(a, "rm", world_size=dist.world_size)  # refused here if it cannot fit the GPU
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
-    pretrain = resolve_pretrain(a["pretrain"])
+    pretrain = resolve_pretrain(a.pretrain)
     tokenizer = load_tokenizer(pretrain)
-    set_chat_template(tokenizer, a["tokenizer_chat_template"])
+    set_chat_template(tokenizer, a.tokenizer_chat_template)
     train_pairs, train_src, eval_pairs, eval_src = load_preference_data(
-        a["dataset"], a["eval_dataset"], tokenizer, max_samples=a["max_samples"], chosen_key=a["chosen_key"],
-        rejected_key=a["rejected_key"], prompt_key=a["prompt_key"], apply_chat_template=a["apply_chat_template"],
-        max_len=a["max_len"], margin_key=a["margin_key"], input_template=a["input_template"],
-        dataset_probs=a["dataset_probs"], dataset_split=a["dataset_split"], eval_split=a["eval_split"],
-        default_eval_split="train", seed=a["seed"])
+        a.dataset, a.eval_dataset, tokenizer, max_samples=a.max_samples, chosen_key=a.chosen_key,
+        rejected_key=a.rejected_key, prompt_key=a.prompt_key, apply_chat_template=a.apply_chat_template,
+        max_len=a.max_len, margin_key=a.margin_key, input_template=a.input_template,
+        dataset_probs=a.dataset_probs, dataset_split=a.dataset_split, eval_split=a.eval_split,
+        default_eval_split="train", seed=a.seed)
     with_margin = any(p.margin is not None for p in train_pairs)
-    if a["margin_loss"] and not with_margin:
-        raise UserError(f"--margin_loss: no row of {train_src} has a '{a['margin_key']}' value; set --margin_key")
-    B = a["train_batch_size"]
+    if a.margin_loss and not with_margin:
+        raise UserError(f"--margin_loss: no row of {train_src} has a '{a.margin_key}' value; set --margin_key")
+    B = a.train_batch_size
     if len(train_pairs) < B:
         raise UserError(f"{train_src}: {len(train_pairs)} pairs is fewer than one batch (--train_batch_size {B})")
     steps_per_epoch = len(train_pairs) // B
-    total_steps = a["max_steps"] or steps_per_epoch * a["max_epochs"]
+    total_steps = a.max_steps or steps_per_epoch * a.max_epochs
 
     # ---- model
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
     model = load_reward_model(pretrain, dtype=torch.float32, attn_impl=attn, pad_token_id=tokenizer.pad_token_id,
-                              value_head_prefix=a["value_head_prefix"])
-    engine = ds.initialize(model, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
-                           warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
-                           betas=a["adam_betas"], weight_decay=a["l2"])
+                              value_head_prefix=a.value_head_prefix)
+    engine = ds.initialize(model, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
+                           warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
+                           betas=a.adam_betas, weight_decay=a.l2)
 
     # ---- resume
-    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+    ckpt_root = a.ckpt_path or os.path.join(a.save_path, "checkpoints")
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "skipped_updates": 0}
-    resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
+    resume_from = latest_checkpoint(ckpt_root) if a.load_checkpoint else None
     if resume_from:
         state = load_checkpoint(resume_from, {"model": engine}, rank=dist.rank)
 
-    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
-                        use_wandb=a["use_wandb"],
-                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
-                        tensorboard_dir=a["use_tensorboard"], plot_keys=("train/loss", "train/acc", "eval/acc"),
+    log = MetricsLogger(a.save_path, total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
+                        use_wandb=a.use_wandb,
+                        wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name,
+                        tensorboard_dir=a.use_tensorboard, plot_keys=("train/loss", "train/acc", "eval/acc"),
                         title="reward model", start_step=state["step"] + 1, append=bool(resume_from))
     log.banner("hybridrl train_rm", {
         "run": {"model": pretrain, "data": f"{train_src} ({len(train_pairs)} pairs)",
                 "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
-                "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
-                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
+                "zero stage": a.zero_stage, "batch": f"{B} = {a.micro_train_batch_size} x {accum} accum x {dist.world_size} ranks",
+                "steps": total_steps, "resumed from": resume_from or "-", "output": a.save_path, "git": git_commit()},
         "versions": versions()})
     memory_plan.show(log, memory)
     notes = template_notes(a, "--prompt_key")
-    if with_margin and not a["margin_loss"]:
-        notes.append(f"the data's '{a['margin_key']}' column is not used: --margin_loss adds it to the loss")
-    if a["packing_samples"] and attn != "flash_attention_2":
+    if with_margin and not a.margin_loss:
+        notes.append(f"the data's '{a.margin_key}' column is not used: --margin_loss adds it to the loss")
+    if a.packing_samples and attn != "flash_attention_2":
         notes.append("--packing_samples without flash-attention: SDPA with a block-diagonal mask, whose memory grows "
                      "with the square of the packed length (--flash_attn on a GPU needs none)")
-    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device), *notes):
+    for note in (dtype_note, attn_note, ds.zero_note(a.zero_stage, dist.world_size, dist.device), *notes):
         if note:
             log.warn_once(note, note)
 
@@ -189,7 +189,7 @@ def train(a: dict) -> None:
         """Rewards of chosen and rejected: ([b], [b]) for b pairs."""
         batch = {k: v.to(dist.device) if torch.is_tensor(v) else v
                  for k, v in collate_pairs(pairs, tokenizer.pad_token_id).items()}
-        scores = sequence_rewards(engine, batch["input_ids"], batch["attention_mask"], packing=a["packing_samples"],
+        scores = sequence_rewards(engine, batch["input_ids"], batch["attention_mask"], packing=a.packing_samples,
                                   flash=attn == "flash_attention_2")
         b = len(pairs)
         return scores[:b], scores[b:], batch
@@ -201,8 +201,8 @@ def train(a: dict) -> None:
         t = torch.zeros(5, dtype=torch.float64)  # correct, pairs, margin sum, reward sum, reward square sum
         mine = pairs[dist.rank::dist.world_size]
         with torch.no_grad():
-            for i in range(0, len(mine), a["micro_train_batch_size"]):
-                c, r, _ = batch_scores(mine[i: i + a["micro_train_batch_size"]])
+            for i in range(0, len(mine), a.micro_train_batch_size):
+                c, r, _ = batch_scores(mine[i: i + a.micro_train_batch_size])
                 both = torch.cat([c, r]).double()
                 t += torch.tensor([(c > r).sum().item(), len(c), (c - r).sum().item(), both.sum().item(),
                                    both.square().sum().item()], dtype=torch.float64)
@@ -219,9 +219,9 @@ def train(a: dict) -> None:
 
     # ---- train
     per_rank = B // dist.world_size
-    micro = a["micro_train_batch_size"]
+    micro = a.micro_train_batch_size
     step, skipped = state["step"], state.get("skipped_updates", 0)  # older checkpoints have no count
-    batches = iterate_batches(len(train_pairs), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
+    batches = iterate_batches(len(train_pairs), B, a.seed, start_epoch=state["epoch"], start_step=state["step_in_epoch"])
     preempt = Preemption()
     engine.train()
     while step < total_steps:
@@ -231,11 +231,11 @@ def train(a: dict) -> None:
         sums = torch.zeros(5, dtype=torch.float64)  # loss, correct, chosen, rejected, tokens
         for i in range(0, per_rank, micro):
             chosen, rejected, batch = batch_scores(mine[i: i + micro])
-            if a["loss"] == "logexp":
+            if a.loss == "logexp":
                 loss = log_exp_loss(chosen, rejected)
             else:
-                loss = bradley_terry_loss(chosen, rejected, batch["margin"] if a["margin_loss"] else None)
-            if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
+                loss = bradley_terry_loss(chosen, rejected, batch["margin"] if a.margin_loss else None)
+            if not torch.isfinite(loss) and not a.skip_nonfinite_updates:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the reward model loss is {loss.item()}; lower the learning rate "
                                     "or check the data, or pass --skip_nonfinite_updates to skip such updates "
                                     "(nothing after the last checkpoint was saved)")
@@ -245,7 +245,7 @@ def train(a: dict) -> None:
             engine.step()
             sums += torch.tensor([loss.item() * len(chosen), (chosen > rejected).sum().item(), chosen.sum().item(),
                                   rejected.sum().item(), batch["attention_mask"].sum().item()], dtype=torch.float64)
-        skipped += updates.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the reward model",
+        skipped += updates.update_skipped(engine, allow=a.skip_nonfinite_updates, who=f"step {step + 1}: the reward model",
                                      fix="Lower the learning rate or check the data (nothing after the last checkpoint "
                                      "was saved)")
         if dist.world_size > 1:
@@ -257,24 +257,24 @@ def train(a: dict) -> None:
                    "train/chosen_reward": sums[2].item() / B, "train/rejected_reward": sums[3].item() / B,
                    "train/lr": engine.get_lr()[0], "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": sums[4].item() / dt, "train/epoch": epoch}
-        if a["skip_nonfinite_updates"]:
+        if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
             metrics.update(memory_plan.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
-        if eval_pairs and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
-                           (a["eval_steps"] <= 0 and epoch_end) or last):
+        if eval_pairs and ((a.eval_steps > 0 and step % a.eval_steps == 0) or
+                           (a.eval_steps <= 0 and epoch_end) or last):
             metrics.update(evaluate(eval_pairs))
-        if step % a["logging_steps"] == 0 or last or "eval/acc" in metrics:
+        if step % a.logging_steps == 0 or last or "eval/acc" in metrics:
             log.log(step, metrics)
         preempted = not last and preempt.requested()
-        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
+        if (a.save_steps > 0 and step % a.save_steps == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"model": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
-                                   rank=dist.rank, max_keep=a["max_ckpt_num"],
-                                   hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
+                                   rank=dist.rank, max_keep=a.max_ckpt_num,
+                                   hf_tokenizer=tokenizer if a.save_hf_ckpt else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
@@ -288,8 +288,8 @@ def train(a: dict) -> None:
         stats = evaluate(train_pairs[:n])
         log.info(f"reward mean {stats['eval/reward_mean']:.4g}, std {stats['eval/reward_std']:.4g} over the first {n} "
                  "training pairs (no held-out set), recorded in config.json")
-    ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
-    log.info(f"reward model saved to {a['save_path']}")
+    ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
+    log.info(f"reward model saved to {a.save_path}")
     log.close()
 
 

@@ -102,7 +102,7 @@ def main(
         o.check_precision(options)
         require(train_batch_size % micro_train_batch_size == 0,
                 f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
-        train(options)
+        train(o.typed(options, main, "SFTOptions"))  # a misspelt option is an AttributeError
 
 
 def sft_loss(model, batch: dict, step_tokens: float, *, packing: bool = False, flash: bool = False):
@@ -119,7 +119,7 @@ def sft_loss(model, batch: dict, step_tokens: float, *, packing: bool = False, f
     return aggregate(-token_lp, mask, "token_mean", step_tokens=step_tokens), masked_sum(-token_lp.detach(), mask)
 
 
-def train(a: dict) -> None:
+def train(a: o.Options) -> None:
     from common import cpu_threads
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
@@ -134,37 +134,37 @@ def train(a: dict) -> None:
     from common.sft_data import OPENRLHF_SFT_TEMPLATE, SFTKeys, collate_sft, load_sft_data
 
     dist = ds.setup_distributed()
-    torch.manual_seed(a["seed"])
-    dtype, dtype_note = ds.resolve_dtype(a["bf16"], dist.device)
-    attn, attn_note = attn_implementation(a["flash_attn"])
+    torch.manual_seed(a.seed)
+    dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
+    attn, attn_note = attn_implementation(a.flash_attn)
     flash = attn == "flash_attention_2"
-    settings = ds.DSSettings(zero_stage=a["zero_stage"], bf16=dtype == torch.bfloat16, adam_offload=a["adam_offload"],
-                             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-                             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-                             autocast=a["torch_autocast"], compile=a["torch_compile"], **orl.ds_keys(a))
+    settings = ds.DSSettings(zero_stage=a.zero_stage, bf16=dtype == torch.bfloat16, adam_offload=a.adam_offload,
+                             gradient_checkpointing=a.gradient_checkpointing, max_norm=a.max_norm,
+                             micro_train_batch_size=a.micro_train_batch_size, train_batch_size=a.train_batch_size,
+                             autocast=a.torch_autocast, compile=a.torch_compile, **orl.ds_keys(a))
     accum = ds.grad_accumulation(settings, dist.world_size)
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
-    pretrain = resolve_pretrain(a["pretrain"])
+    pretrain = resolve_pretrain(a.pretrain)
     tokenizer = load_tokenizer(pretrain)
-    set_chat_template(tokenizer, a["tokenizer_chat_template"])
-    t = a["input_template"]
-    keys = SFTKeys(input_key=a["input_key"], output_key=a["output_key"], apply_chat_template=a["apply_chat_template"],
-                   input_template=OPENRLHF_SFT_TEMPLATE if t is None else (t or None), multiturn=a["multiturn"],
-                   pretrain_mode=a["pretrain_mode"], max_len=a["max_len"])
+    set_chat_template(tokenizer, a.tokenizer_chat_template)
+    t = a.input_template
+    keys = SFTKeys(input_key=a.input_key, output_key=a.output_key, apply_chat_template=a.apply_chat_template,
+                   input_template=OPENRLHF_SFT_TEMPLATE if t is None else (t or None), multiturn=a.multiturn,
+                   pretrain_mode=a.pretrain_mode, max_len=a.max_len)
     train_set, train_src, eval_set, eval_src, notes = load_sft_data(
-        a["dataset"], a["eval_dataset"], tokenizer, keys, max_samples=a["max_samples"], dataset_probs=a["dataset_probs"],
-        dataset_split=a["dataset_split"], eval_split=a["eval_split"], seed=a["seed"])
-    B = a["train_batch_size"]
+        a.dataset, a.eval_dataset, tokenizer, keys, max_samples=a.max_samples, dataset_probs=a.dataset_probs,
+        dataset_split=a.dataset_split, eval_split=a.eval_split, seed=a.seed)
+    B = a.train_batch_size
     if len(train_set) < B:
         raise UserError(f"{train_src}: {len(train_set)} samples is fewer than one batch (--train_batch_size {B})")
     steps_per_epoch = len(train_set) // B
-    total_steps = a["max_steps"] or steps_per_epoch * a["max_epochs"]
+    total_steps = a.max_steps or steps_per_epoch * a.max_epochs
 
     # ---- model
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
-    if a["pretrain"] is None:  # the built-in: an untrained model, so that learning the task shows
+    if a.pretrain is None:  # the built-in: an untrained model, so that learning the task shows
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrain), attn_implementation=attn,
@@ -173,39 +173,39 @@ def train(a: dict) -> None:
         notes.append("built-in: the tiny model's architecture and tokenizer, freshly initialised (--seed)")
     else:
         model = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
-    if a["use_liger_kernel"]:
+    if a.use_liger_kernel:
         from common.liger import apply_liger
 
         notes.append(apply_liger(model, dist.device))
-    engine = ds.initialize(model, settings, dist, dtype, lr=a["learning_rate"], total_steps=total_steps,
-                           warmup_ratio=a["lr_warmup_ratio"], scheduler=a["lr_scheduler"],
-                           betas=a["adam_betas"], weight_decay=a["l2"])
+    engine = ds.initialize(model, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
+                           warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
+                           betas=a.adam_betas, weight_decay=a.l2)
 
     # ---- resume
-    ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
+    ckpt_root = a.ckpt_path or os.path.join(a.save_path, "checkpoints")
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "skipped_updates": 0}
-    resume_from = latest_checkpoint(ckpt_root) if a["load_checkpoint"] else None
+    resume_from = latest_checkpoint(ckpt_root) if a.load_checkpoint else None
     if resume_from:
         state = load_checkpoint(resume_from, {"model": engine}, rank=dist.rank)
 
-    log = MetricsLogger(a["save_path"], total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
-                        use_wandb=a["use_wandb"],
-                        wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"],
-                        tensorboard_dir=a["use_tensorboard"], plot_keys=("train/loss", "eval/loss", "eval/exact_match"),
+    log = MetricsLogger(a.save_path, total_steps, enabled=dist.rank == 0, config=dict(a, pretrain=pretrain),
+                        use_wandb=a.use_wandb,
+                        wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name,
+                        tensorboard_dir=a.use_tensorboard, plot_keys=("train/loss", "eval/loss", "eval/exact_match"),
                         title="SFT", start_step=state["step"] + 1, append=bool(resume_from))
-    mode = "all tokens (--pretrain_mode)" if a["pretrain_mode"] else "every assistant turn" if a["multiturn"] else "response"
+    mode = "all tokens (--pretrain_mode)" if a.pretrain_mode else "every assistant turn" if a.multiturn else "response"
     log.banner("hybridrl train_sft", {
-        "run": {"model": pretrain if a["pretrain"] else f"{pretrain} (untrained copy)", "loss on": mode,
+        "run": {"model": pretrain if a.pretrain else f"{pretrain} (untrained copy)", "loss on": mode,
                 "data": f"{train_src} ({len(train_set)} samples)",
                 "eval": f"{eval_src} ({len(eval_set)} samples)" if eval_set else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
-                "zero stage": a["zero_stage"], "batch": f"{B} = {a['micro_train_batch_size']} x {accum} accum x {dist.world_size} ranks",
-                "steps": total_steps, "resumed from": resume_from or "-", "output": a["save_path"], "git": git_commit()},
+                "zero stage": a.zero_stage, "batch": f"{B} = {a.micro_train_batch_size} x {accum} accum x {dist.world_size} ranks",
+                "steps": total_steps, "resumed from": resume_from or "-", "output": a.save_path, "git": git_commit()},
         "versions": versions()})
-    if a["packing_samples"] and not flash:
+    if a.packing_samples and not flash:
         notes.append("--packing_samples without flash-attention: SDPA with a block-diagonal mask, whose memory grows "
                      "with the square of the packed length (--flash_attn on a GPU needs none)")
-    for note in (dtype_note, attn_note, ds.zero_note(a["zero_stage"], dist.world_size, dist.device), *notes):
+    for note in (dtype_note, attn_note, ds.zero_note(a.zero_stage, dist.world_size, dist.device), *notes):
         if note:
             log.warn_once(note, note)
 
@@ -224,37 +224,37 @@ def train(a: dict) -> None:
         engine.eval()
         # whole shards: under ZeRO-3 every rank must run the same number of forward passes
         n = len(eval_set) // dist.world_size * dist.world_size
-        mine, micro = eval_set[dist.rank:n:dist.world_size], a["micro_train_batch_size"]
+        mine, micro = eval_set[dist.rank:n:dist.world_size], a.micro_train_batch_size
         nll = tokens = hits = 0.0
         with torch.no_grad():
             for i in range(0, len(mine), micro):
                 batch = device_batch(mine[i: i + micro])
-                nll += sft_loss(engine, batch, 1.0, packing=a["packing_samples"], flash=flash)[1].item()
+                nll += sft_loss(engine, batch, 1.0, packing=a.packing_samples, flash=flash)[1].item()
                 tokens += batch["loss_mask"][:, 1:].sum().item()
-            if a["dataset"] is None:  # free-form answers of a user's data have no one right string
+            if a.dataset is None:  # free-form answers of a user's data have no one right string
                 module = ds.unwrap(engine)
                 module.config.use_cache = True
                 answers = [e.ids[e.prompt_len:] for e in mine]
                 out = hf_generate(module, [e.ids[:e.prompt_len] for e in mine], n=1, temperature=1.0, top_p=1.0,
                                   max_new_tokens=max(len(x) for x in answers) + 2, eos_id=tokenizer.eos_token_id,
                                   pad_id=tokenizer.pad_token_id, micro_batch=64, greedy=True,
-                                  synced_gpus=a["zero_stage"] == 3 and dist.world_size > 1)
+                                  synced_gpus=a.zero_stage == 3 and dist.world_size > 1)
                 module.config.use_cache = False
                 text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
                 hits = sum(text(r) == text(x) for r, x in zip(out.response_ids, answers))
         nll, tokens, hits = all_sum([nll, tokens, hits])
         engine.train()
         out = {"eval/loss": nll / max(tokens, 1.0)}
-        if a["dataset"] is None:
+        if a.dataset is None:
             out["eval/exact_match"] = hits / n
         return out
 
     # ---- train
     per_rank = B // dist.world_size
-    micro = a["micro_train_batch_size"]
+    micro = a.micro_train_batch_size
     gas = engine.gradient_accumulation_steps()
     step, skipped = state["step"], state.get("skipped_updates", 0)  # older checkpoints have no count
-    batches = iterate_batches(len(train_set), B, a["seed"], start_epoch=state["epoch"], start_step=state["step_in_epoch"])
+    batches = iterate_batches(len(train_set), B, a.seed, start_epoch=state["epoch"], start_step=state["step_in_epoch"])
     if eval_set and not resume_from:
         log.log(0, evaluate())  # the starting point of the eval curves
     preempt = Preemption()
@@ -268,8 +268,8 @@ def train(a: dict) -> None:
         nll_sum, seq_tokens = 0.0, 0
         for i in range(0, per_rank, micro):
             batch = device_batch(mine[i: i + micro])
-            loss, nll = sft_loss(engine, batch, step_tokens / dist.world_size, packing=a["packing_samples"], flash=flash)
-            if not torch.isfinite(loss) and not a["skip_nonfinite_updates"]:  # stop before a NaN reaches the weights
+            loss, nll = sft_loss(engine, batch, step_tokens / dist.world_size, packing=a.packing_samples, flash=flash)
+            if not torch.isfinite(loss) and not a.skip_nonfinite_updates:  # stop before a NaN reaches the weights
                 raise TrainingError(f"step {step + 1}: the SFT loss is {loss.item()}; lower the learning rate "
                                     "or check the data, or pass --skip_nonfinite_updates to skip such updates "
                                     "(nothing after the last checkpoint was saved)")
@@ -279,7 +279,7 @@ def train(a: dict) -> None:
             engine.step()
             nll_sum += nll.item()
             seq_tokens += batch["attention_mask"].sum().item()
-        skipped += updates.update_skipped(engine, allow=a["skip_nonfinite_updates"], who=f"step {step + 1}: the model",
+        skipped += updates.update_skipped(engine, allow=a.skip_nonfinite_updates, who=f"step {step + 1}: the model",
                                           fix="Lower the learning rate or check the data (nothing after the last "
                                           "checkpoint was saved)")
         nll_sum, seq_tokens = all_sum([nll_sum, seq_tokens])
@@ -289,24 +289,24 @@ def train(a: dict) -> None:
         metrics = {"train/loss": nll_sum / max(step_tokens, 1.0), "train/loss_tokens": step_tokens,
                    "train/lr": engine.get_lr()[0], "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                    "time/step_s": dt, "perf/tokens_per_s": seq_tokens / dt, "train/epoch": epoch}
-        if a["skip_nonfinite_updates"]:
+        if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
             metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
-        if eval_set and ((a["eval_steps"] > 0 and step % a["eval_steps"] == 0) or
-                         (a["eval_steps"] <= 0 and epoch_end) or last):
+        if eval_set and ((a.eval_steps > 0 and step % a.eval_steps == 0) or
+                         (a.eval_steps <= 0 and epoch_end) or last):
             metrics.update(evaluate())
-        if step % a["logging_steps"] == 0 or last or "eval/loss" in metrics:
+        if step % a.logging_steps == 0 or last or "eval/loss" in metrics:
             log.log(step, metrics)
         preempted = not last and preempt.requested()
-        if (a["save_steps"] > 0 and step % a["save_steps"] == 0 and not last) or preempted:
+        if (a.save_steps > 0 and step % a.save_steps == 0 and not last) or preempted:
             pos = (epoch + 1, 0) if epoch_end else (epoch, step_in_epoch + 1)
             path = save_checkpoint(ckpt_root, step, {"model": engine},
                                    {"step": step, "epoch": pos[0], "step_in_epoch": pos[1], "skipped_updates": skipped},
-                                   rank=dist.rank, max_keep=a["max_ckpt_num"],
-                                   hf_tokenizer=tokenizer if a["save_hf_ckpt"] else None)
+                                   rank=dist.rank, max_keep=a.max_ckpt_num,
+                                   hf_tokenizer=tokenizer if a.save_hf_ckpt else None)
             log.info(f"checkpoint saved: {path}")
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
@@ -314,8 +314,8 @@ def train(a: dict) -> None:
             log.close()
             return
 
-    ds.save_hf(engine, tokenizer, a["save_path"], dist.rank)
-    log.info(f"model saved to {a['save_path']}")
+    ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
+    log.info(f"model saved to {a.save_path}")
     log.close()
 
 

@@ -210,7 +210,7 @@ def check_precision(a: dict) -> None:
             "inside the compiled blocks; use --zero_stage 0, 1 or 2, or drop --torch_compile")
 
 
-class _Options(Mapping):
+class Options(Mapping):
     """Read-only mapping view of a typed options object, for common/ functions that take the options
     by key (`a["seed"]`) as well as by attribute (`a.seed`)."""
 
@@ -235,5 +235,5 @@ def typed(values: dict, main, name: str):
 
     hints = typing.get_type_hints(main)
     fields = [(k, hints.get(k, typing.Any)) for k in values]
-    cls = dataclasses.make_dataclass(name, fields, bases=(_Options,), frozen=True, eq=False)
+    cls = dataclasses.make_dataclass(name, fields, bases=(Options,), frozen=True, eq=False)
     return cls(**values)

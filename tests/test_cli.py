@@ -73,3 +73,26 @@ def test_help_at_80_columns_shows_every_flag_name_whole_and_no_value_for_flags(n
     missing = [f for f in flags if f not in shown]
     assert not missing, f"cut or missing at 80 columns: {missing}"
     assert "…" not in p.stdout and "<bool>" not in p.stdout
+
+
+@pytest.mark.parametrize("name,cls", [("train_dpo.py", "DPOOptions"), ("train_sft.py", "SFTOptions"),
+                                      ("train_grpo.py", "GRPOOptions")])
+def test_train_receives_typed_frozen_options(name, cls):
+    """`train` gets one typed, read-only object, not a dict: a misspelt option is an AttributeError,
+    a derived default (GRPO's --n_samples_per_prompt) is already filled in, and common/ can still
+    read it by key."""
+    code = (f"import runpy, sys, dataclasses; sys.argv = [{name!r}, '--zero_stage', '1', '--save_path', '/nonexistent/x']\n"
+            f"m = runpy.run_path({os.path.join(ROOT, name)!r})\n"
+            "got = []\n"
+            "m['train'].__globals__['train'] = lambda a, *rest: got.append(a)\n"
+            "try:\n    m['app']()\nexcept SystemExit:\n    pass\n"
+            "a = got[0]\n"
+            "assert a.zero_stage == 1 and a['zero_stage'] == 1 and dict(a)['zero_stage'] == 1\n"
+            "try:\n    a.zero_stge\nexcept AttributeError:\n    print('MISSPELT-RAISES')\n"
+            "try:\n    a.zero_stage = 3\nexcept dataclasses.FrozenInstanceError:\n    print('FROZEN')\n"
+            "print('TYPE', type(a).__name__, getattr(a, 'n_samples_per_prompt', 'absent'))\n")
+    p = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert "MISSPELT-RAISES" in p.stdout and "FROZEN" in p.stdout, p.stdout[-1000:] + p.stderr[-2000:]
+    assert f"TYPE {cls}" in p.stdout
+    if name == "train_grpo.py":
+        assert "TYPE GRPOOptions 8" in p.stdout  # filled from --advantage_estimator group_norm
