@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 
 from common.errors import UserError
+from common.memory_estimate import adam_offload_ratio
 from common.updates import SkipNonfinite
 
 
@@ -146,6 +147,9 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
     zero: dict = {"stage": s.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if s.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        ratio = adam_offload_ratio()  # HYBRIDRL_ADAM_OFFLOAD_RATIO (common.memory_estimate says why)
+        if ratio < 1.0 and s.zero_stage == 3:  # ZeRO-3's partial offload: the other sub-groups step on the GPU
+            zero["offload_optimizer"]["ratio"] = ratio
     cfg = {
         "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
         "gradient_accumulation_steps": grad_accumulation(s, world_size),
@@ -166,6 +170,20 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
     if s.grad_accum_dtype:
         cfg["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
     return cfg
+
+
+def use_expandable_segments() -> str | None:
+    """Let the caching allocator grow segments in place (PyTorch's expandable_segments) in a DeepSpeed
+    worker, before its first allocation: the reserved memory then stays near the allocated peak instead
+    of holding blocks that no later tensor fits (10.5 GiB at the 3B bench's peak, docs/performance.md).
+    Not where the user set PYTORCH_CUDA_ALLOC_CONF, nor with HYBRIDRL_EXPANDABLE_SEGMENTS=0 (an escape
+    should CUDA IPC of such memory fail on some driver); never in vLLM's processes, whose sleep mode
+    refuses it. Returns the setting made, or None."""
+    if not torch.cuda.is_available() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") \
+            or os.environ.get("HYBRIDRL_EXPANDABLE_SEGMENTS", "1") == "0":
+        return None
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return "expandable_segments:True"
 
 
 def eval_config(s: DSSettings, dtype: torch.dtype, offload: bool = False) -> dict:

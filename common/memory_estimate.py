@@ -24,12 +24,32 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from common.errors import UserError
+
 GiB = 2**30
 CONTEXT = int(0.75 * GiB)  # CUDA context, cuBLAS workspace, NCCL buffers of one torch process
 SLACK = 0.08               # caching allocator: reserved over allocated at the peak (rounding, fragments)
 VLLM_ASLEEP = 2 * GiB      # left of a sleeping engine: 0.6-2.6 GiB measured (docs/gpu-figures.md)
 BUCKET = 500_000_000       # DeepSpeed's default reduce_bucket_size, elements
 PHASES = ("generate", "logprobs", "train", "sync")
+
+
+def adam_offload_ratio() -> float:
+    """The share of the optimizer's ZeRO-3 sub-groups that --adam_offload puts in CPU memory (1: all).
+
+    HYBRIDRL_ADAM_OFFLOAD_RATIO (no OpenRLHF flag has it), because for a 7B model ZeRO-3's CPU side
+    (fp32 master 4N, moments 8N, fp32 gradients 4N, the bf16 gradient partition 2N: ~137 GB) does not
+    fit a 128 GiB host, while half of the sub-groups there and half on the GPU fit both
+    (docs/performance.md); common.ds puts it in DeepSpeed's config."""
+    raw = os.environ.get("HYBRIDRL_ADAM_OFFLOAD_RATIO", "1")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 < ratio <= 1.0:
+        raise UserError(f"HYBRIDRL_ADAM_OFFLOAD_RATIO={raw}: give a number in (0, 1], the share of the optimizer "
+                        "states --adam_offload keeps in CPU memory under --zero_stage 3")
+    return ratio
 
 
 class _NoPlan(Exception):
@@ -88,6 +108,7 @@ class Job:
     vllm_sleep: bool = False
     vllm_weights: int = 0        # bytes per engine worker (weights / TP)
     sync_bucket: int = 0         # bytes of one weight-sync bucket
+    offload_ratio: float = 1.0   # --adam_offload under ZeRO-3: the share of optimizer sub-groups in CPU memory
     phases: tuple[str, ...] = PHASES
 
 
@@ -205,8 +226,12 @@ def training_states(m: Model, j: Job) -> dict[str, int]:
     off = j.adam_offload and z >= 1  # ZeRO-Offload: master and moments (and the gradient partition) in CPU memory
     # ZeRO-3 means to share fp32 weights with its master, but compares a device with a string: it never does
     master = 0 if off or (wb == 4 and z == 0) else 4 * n // (1 if z == 0 else d)
-    return {"weights": wb * n // (d if z == 3 else 1), "master": master, "moments": 0 if off else 8 * n // (d if z else 1),
-            "grads": (0 if z == 0 or off else wb * n // d) + (wb * min(n, BUCKET) if z == 3 else 0)}
+    out = {"weights": wb * n // (d if z == 3 else 1), "master": master, "moments": 0 if off else 8 * n // (d if z else 1),
+           "grads": (0 if z == 0 or off else wb * n // d) + (wb * min(n, BUCKET) if z == 3 else 0)}
+    if off and z == 3 and j.offload_ratio < 1:  # partial offload: the GPU's sub-groups keep master, moments, fp32 grads
+        gpu = int((1 - j.offload_ratio) * n / d)
+        out["master"], out["moments"], out["grads"] = 4 * gpu, 8 * gpu, out["grads"] + 4 * gpu
+    return out
 
 
 def _model_phases(m: Model, j: Job) -> dict[str, dict[str, int]]:
@@ -224,8 +249,11 @@ def _model_phases(m: Model, j: Job) -> dict[str, dict[str, int]]:
     off, wb = j.adam_offload and j.zero_stage >= 1, _weight_bytes(m, j)
     states = training_states(m, j)
     for ph in j.phases:
-        if not (j.ds_sleep and ph == "generate"):  # asleep: all of it in CPU memory
+        if not (j.ds_sleep and ph == "generate"):  # asleep: all of it in CPU memory ...
             per[ph].update(states)
+        elif off and j.offload_ratio < 1:  # ... but DeepSpeed's offload_states leaves a CPU optimizer's states
+            # alone, also the sub-groups that partial offload keeps on the GPU (and their fp32 gradients)
+            per[ph].update(master=states["master"], moments=states["moments"], grads=4 * (states["master"] // 4))
     if "logprobs" in per and m.role != "policy":  # DPO's policy has no no-grad pass
         _add(per["logprobs"], infer)
     if "train" in per:

@@ -27,7 +27,7 @@ from common.resources import Plan, RolePlan, check_fits
 _WORKER_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_HOME",
                "HYBRIDRL_CACHE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT",
                "PYTHONPATH", "VLLM_USE_V2_MODEL_RUNNER", "TORCHINDUCTOR_COMPILE_THREADS", "HYBRIDRL_VLLM_WARMUP",
-               "TRITON_CACHE_DIR")
+               "TRITON_CACHE_DIR", "HYBRIDRL_ADAM_OFFLOAD_RATIO", "HYBRIDRL_EXPANDABLE_SEGMENTS")
 
 
 def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Plan | None = None,

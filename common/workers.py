@@ -45,6 +45,7 @@ class ModelWorker(WeightSender, BaseWorker):
         from common.models import attn_implementation, load_causal_lm, load_reward_model, load_tokenizer
 
         self.spec = spec
+        ds.use_expandable_segments()  # before this process's first CUDA allocation
         self.dist = ds.setup_distributed()
         torch.manual_seed(spec.seed)
         self.dtype, dtype_note = ds.resolve_dtype(spec.bf16, self.dist.device)

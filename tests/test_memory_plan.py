@@ -187,3 +187,47 @@ def test_too_little_for_vllm_is_refused(tmp_path):
     path = _shape_dir(tmp_path, "8b", LLAMA_8B)
     with pytest.raises(UserError, match=r"--vllm_gpu_memory_utilization 0.1 gives each vLLM worker 8.0 GiB, less than its"):
         mp.check_memory(mp.from_options(_grpo(path, vllm_gpu_memory_utilization=0.1), "grpo", _plan(8, 8), gpu_bytes=80 * GiB))
+
+
+def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path, monkeypatch):
+    """HYBRIDRL_ADAM_OFFLOAD_RATIO: ZeRO-3's partial offload in DeepSpeed's config and in the plan, which
+    keeps the GPU's sub-groups (master, moments, fp32 gradients) there through DeepSpeed's sleep too."""
+    from common import ds
+
+    path = _shape_dir(tmp_path, "7b", {})
+    flags = dict(zero_stage=3, adam_offload=True, deepspeed_enable_sleep=True, vllm_enable_sleep=True)
+    full = {p.process: p for p in mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB).processes}
+    monkeypatch.setenv("HYBRIDRL_ADAM_OFFLOAD_RATIO", "0.5")
+    half = {p.process: p for p in mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB).processes}
+    n = half["actor"].breakdown["weights"] / 2  # bf16 weights: 2 bytes a parameter
+    assert half["actor"].breakdown["moments"] == pytest.approx(0.5 * 8 * n, rel=0.01)
+    assert half["actor"].allocated["generate"] >= 0.5 * 16 * n > full["actor"].allocated["generate"]
+    cfg = ds.train_config(ds.DSSettings(zero_stage=3, adam_offload=True), 1, torch_float32())
+    assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    assert "ratio" not in ds.train_config(ds.DSSettings(zero_stage=2, adam_offload=True), 1, torch_float32())["zero_optimization"]["offload_optimizer"]
+    for bad in ("0", "1.5", "half"):
+        monkeypatch.setenv("HYBRIDRL_ADAM_OFFLOAD_RATIO", bad)
+        with pytest.raises(UserError, match="HYBRIDRL_ADAM_OFFLOAD_RATIO"):
+            mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB)
+
+
+def test_expandable_segments_only_where_asked_and_on_a_gpu(monkeypatch):
+    from common import ds
+
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.memory._set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("HYBRIDRL_EXPANDABLE_SEGMENTS", raising=False)
+    assert ds.use_expandable_segments() == "expandable_segments:True" and calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's setting wins
+    assert ds.use_expandable_segments() is None
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("HYBRIDRL_EXPANDABLE_SEGMENTS", "0")
+    assert ds.use_expandable_segments() is None and len(calls) == 1
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
