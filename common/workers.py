@@ -51,6 +51,11 @@ class ModelWorker(WeightSender, BaseWorker):
         self.dtype, dtype_note = ds.resolve_dtype(spec.bf16, self.dist.device)
         attn, attn_note = attn_implementation(spec.flash_attn)
         self.attn = attn
+        from common.packing import packs_here
+
+        self.packing = spec.packing and packs_here(attn, self.dist.device.type)
+        pack_note = ("--packing_samples: without flash-attention the rows stay padded on the GPU (SDPA would attend "
+                     "over the whole packed micro-batch)") if spec.packing and not self.packing else None
         self.tokenizer = load_tokenizer(spec.path)
         settings = spec.ds
         offload = spec.offload and not spec.trainable and self.dist.device.type == "cuda"  # on a CPU they are there anyway
@@ -75,7 +80,7 @@ class ModelWorker(WeightSender, BaseWorker):
         self._visits = offload and settings.zero_stage != 3
         zero = ds.zero_note(settings.zero_stage, self.dist.world_size, self.dist.device) if spec.trainable else None
         cpu = "--ref_reward_offload: on the CPU the frozen models are in CPU memory anyway" if spec.offload and not offload else None
-        return {"notes": [n for n in (dtype_note, attn_note, zero, cpu, liger_note) if n], "device": str(self.dist.device),
+        return {"notes": [n for n in (dtype_note, attn_note, pack_note, zero, cpu, liger_note) if n], "device": str(self.dist.device),
                 "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())}
 
     # ---------------------------------------------------------------- forward passes
@@ -97,7 +102,7 @@ class ModelWorker(WeightSender, BaseWorker):
 
     def _inputs(self, micro: dict):
         """Model inputs for a micro-batch, packed without padding when --packing_samples is on."""
-        if not self.spec.packing:
+        if not self.packing:
             return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"]}, None
         from common.packing import pack
 

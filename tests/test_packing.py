@@ -64,3 +64,11 @@ def test_pack_layout():
     assert p.input_ids.shape == (1, 6) and p.attention_mask is None
     assert p.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert p.starts.tolist() == [0, 3, 4]
+
+
+def test_packing_only_where_a_kernel_skips_the_mask():
+    """A GPU without flash-attention keeps rows padded (SDPA would attend over the whole packed row)."""
+    from common.packing import packs_here
+
+    assert packs_here("flash_attention_2", "cuda") and packs_here("sdpa", "cpu")
+    assert not packs_here("sdpa", "cuda") and not packs_here("eager", "cuda")
