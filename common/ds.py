@@ -238,6 +238,9 @@ def initialize(model, s: DSSettings, dist: DistInfo, dtype: torch.dtype, *, lr: 
     import deepspeed
     from transformers import get_scheduler
 
+    from common.models import rope_in_fp32
+
+    rope_in_fp32(model)  # zero.Init made them bf16 (ZeRO-3)
     if s.deterministic:  # OpenRLHF's --full_determinism: deterministic kernels (cuBLAS needs its workspace set)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -274,10 +277,15 @@ def initialize_eval(model, s: DSSettings, dtype: torch.dtype, device: torch.devi
         from common.models import compile_layers
 
         compile_layers(model)
+    from common.models import rope_in_fp32
+
     if s.zero_stage != 3:
-        return model.to(device="cpu" if offload else device, dtype=dtype)
+        model = model.to(device="cpu" if offload else device, dtype=dtype)
+        rope_in_fp32(model)  # .to(dtype) cast them
+        return model
     import deepspeed
 
+    rope_in_fp32(model)  # zero.Init made them bf16
     engine, *_ = deepspeed.initialize(model=model, config=eval_config(s, dtype, offload))
     engine.eval()
     return engine

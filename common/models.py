@@ -192,6 +192,31 @@ def head_saved_as(module, state: dict) -> dict:
     return {prefix + k[len("score"):] if k.startswith("score.") else k: v for k, v in state.items()}
 
 
+def rope_in_fp32(model) -> int:
+    """Give rotary embeddings back their fp32 inverse frequencies; returns how many were fixed.
+
+    ZeRO-3's zero.Init (loading under HfDeepSpeedConfig) makes every floating tensor created during
+    from_pretrained in the weights' dtype, RoPE's `inv_freq` too, and a frozen model's `.to(bfloat16)` casts
+    it: in bf16 a frequency is off by up to 2^-9 of itself, so at position 268 the fastest rotation is off
+    by ~0.5 rad. That doubled `rollout/logprob_diff` at 3B with --zero_stage 3 --bf16 (0.059 against 0.030
+    under autocast; vLLM keeps them in fp32, docs/performance.md). The buffers are not ZeRO-partitioned:
+    rebuilding the module outside zero.Init gives the fp32 values."""
+    fixed = 0
+    for module in model.modules():
+        inv = module._buffers.get("inv_freq") if hasattr(module, "_buffers") else None
+        if inv is None or inv.dtype == torch.float32 or not hasattr(module, "config"):
+            continue
+        try:
+            fresh = type(module)(module.config)
+        except TypeError:  # a rotary module built from other arguments: left as it is
+            continue
+        for name, buf in fresh.named_buffers(recurse=False):
+            if name in module._buffers and buf.is_floating_point():
+                module._buffers[name] = buf.to(device=inv.device)
+        fixed += 1
+    return fixed
+
+
 def compile_in_process() -> None:
     """Inductor compiles in this process unless TORCHINDUCTOR_COMPILE_THREADS says otherwise.
 
