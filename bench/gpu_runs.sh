@@ -26,6 +26,10 @@
 #   bash bench/gpu_runs.sh decode15   # the same on the 1.5B shape (no vLLM row)
 #   bash bench/gpu_runs.sh three      # one bench run, three rows: ours with vLLM colocated, ours decoding itself, TRL with vLLM
 #   bash bench/gpu_runs.sh memplan    # the memory plan's prediction next to each process's measured peak (0.5B, 1.5B, 3B)
+#   bash bench/gpu_runs.sh i19prep    # issue 19: the 3B and 7B models, CUDA IPC from expandable segments (no vLLM needed)
+#   bash bench/gpu_runs.sh i19gap     # issue 19: log-prob gap per way at 3B, then the equal-work bench at 3B, ours memory-cut
+#   bash bench/gpu_runs.sh i19ref7    # issue 19: the reference flags at 7B with --adam_offload (5 steps after 1)
+#   bash bench/gpu_runs.sh i19ref3    # issue 19: the reference flags at 3B (5 steps after 1)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -65,6 +69,7 @@ bench() {  # name, grpo_step.py flags...
 prompts() {  # /tmp/prompts.jsonl: the bench's copy-task prompts (random-weight models: the length reward scores them)
   $PY -c "from bench.grpo_step import _prompt_file; _prompt_file('/tmp')"
 }
+REF="--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep --zero_stage 3 --bf16 --gradient_checkpointing --packing_samples"
 TASK=(--prompt_data /tmp/prompts.jsonl --input_key prompt --label_key label --apply_chat_template
       --reward_func bench/length_reward.py)
 GRPO=(--rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 256 --train_batch_size 64
@@ -248,6 +253,30 @@ memplan)  # the memory plan against measured peaks: ours only, vLLM colocated at
     cp /tmp/bench/ours-$sh-vllm/metrics.jsonl "$OUT/mem_${sh}_metrics.jsonl" 2>/dev/null
     grep -h "memory plan" -A14 /tmp/bench/ours-$sh-vllm.log > "$OUT/mem_${sh}_plan.txt" 2>/dev/null
   done
+  ;;
+i19prep)  # before vLLM is installed: the bench's 3B and 7B models (built on the GPU), and the IPC check
+  for sh in 3b 7b; do [ -d /tmp/bench/model-$sh ] || $PY bench/make_model.py --shape $sh --out /tmp/bench/model-$sh; done
+  $PY bench/ipc_check.py 2>&1 | tail -3 | tee "$OUT/ipc_check.txt"
+  ;;
+i19gap)  # where logprob_diff comes from (3B), then equal work at 3B: ours with the memory cut (ZeRO-0 with fp32
+  # weights under autocast, micro-batches of 16, expandable segments) against TRL, IS correction on both sides
+  timeout 150 $PY bench/logprob_gap.py --model /tmp/bench/model-3b --out "$OUT/logprob_gap_3b.json" > /tmp/gap.txt 2>&1
+  echo "logprob_gap: exit $?" | tee -a "$OUT/summary.txt"; tail -8 /tmp/gap.txt; tail -c 3000 /tmp/gap.txt > "$OUT/logprob_gap_3b.txt"
+  LOGS=0 LIMIT=${LIMIT:-420} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  ;;
+i19ref7)  # the reference command's flags on one GPU at 7B, with --adam_offload (half the optimizer's sub-groups in
+  # CPU memory: HYBRIDRL_ADAM_OFFLOAD_RATIO; all of them do not fit a 125 GiB host) and micro-batches of 16
+  LOGS=0 LIMIT=${LIMIT7:-480} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 --steps 5 \
+    --ours_env "HYBRIDRL_ADAM_OFFLOAD_RATIO=${RATIO:-0.5}" \
+    --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --micro_rollout_batch_size 16"
+  grep -h "memory plan" -A6 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_plan.txt" 2>/dev/null
+  tail -c 3000 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_log_tail.txt" 2>/dev/null
+  free -g | tee -a "$OUT/summary.txt"
+  ;;
+i19ref3)  # the reference command's flags at 3B, micro-batches of 64 as in the issue
+  LOGS=0 LIMIT=${LIMIT3:-360} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC $REF"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac

@@ -7,8 +7,12 @@
 The same work on both sides: one model folder, `--prompts` prompts x `--samples` samples of at most
 `--new_tokens` tokens, a frozen reference model with KL coefficient 0.04 (TRL's beta; ours
 `--init_kl_coef 0.04 --use_kl_loss`), one optimizer step per GRPO step (the whole rollout is one
-training batch), learning rate 1e-6, temperature 1, no evaluation. Rewards: on `tiny` the copy task's
-rule (ours built-in, TRL given `common.tasks.reward_func`); on GPU shapes, whose random weights emit
+training batch), learning rate 1e-6, temperature 1, no evaluation; with vLLM, `--is_correction` (the default,
+TRL's) makes both sides ask vLLM for the sampled tokens' log-probs every step and weight the loss by the
+truncated importance ratio (ours `--enable_vllm_is_correction --vllm_is_correction_type tis`, TRL its
+`token_truncate` mode, both clamped to [0, 3]), `--no-is_correction` neither (TRL's own log-prob request
+switched off). The table gives TRL/ours for the step and for the device's peak memory. Rewards: on
+`tiny` the copy task's rule (ours built-in, TRL given `common.tasks.reward_func`); on GPU shapes, whose random weights emit
 text no task rule can score, `bench/length_reward.py` for both, on prompts written from
 `common.tasks.prompt_rows`. GPU shapes train in bf16 (ours: DeepSpeed ZeRO-2 with fp32 master
 weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32. On `tiny` ours runs each
@@ -56,6 +60,7 @@ PEAKS = {"989": 989e12, "790": 790e12}  # H200 dense bf16: datasheet, and what a
 KL_COEF = 0.04
 LR = 1e-6
 PROMPT_ROWS = 2048
+IS_CAP = 3.0  # importance weights clamped to [0, 3] per token: TRL's default C_max, its token_truncate mode
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -73,6 +78,11 @@ def main(
     vllm: Annotated[bool, typer.Option(
         "--vllm/--no-vllm", help="Generate with vLLM (ours: one engine; TRL: colocate).")] = False,
     trl: Annotated[bool, typer.Option("--trl/--no-trl", help="Also run TRL's GRPOTrainer.")] = True,
+    is_correction: Annotated[bool, typer.Option(
+        "--is_correction/--no-is_correction", help="With vLLM, both sides correct for the sampler's log-probs "
+        "(token-level truncated importance sampling, weights clamped to [0, 3]) and so ask vLLM for each sampled "
+        "token's log-prob every step (TRL's default); off: neither corrects nor asks (TRL's request is switched off "
+        "in its generation object: its config has no option for it).")] = True,
     ours_vllm: Annotated[bool, typer.Option(
         "--ours-vllm/--ours-no-vllm", help="Whether ours generates with vLLM (default: as --vllm); "
         "--vllm --ours-no-vllm compares our policy's own generation (--ours_flags --static_kv_cache) with TRL's vLLM.")] = None,
@@ -112,6 +122,7 @@ def main(
                share_prompt_prefix=(shape == "tiny" and not gradient_checkpointing) if share_prompt_prefix is None
                else share_prompt_prefix,
                trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split(),
+               is_correction=is_correction,
                ours_env=dict(w.split("=", 1) for w in ours_env.split()))
     if shape != "tiny":
         job["prompt_file"] = _prompt_file(work_dir)
@@ -132,16 +143,22 @@ def main(
             row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
             row["note"] = f"{row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
         rows.append(row)
-    # TRL's step over each of our rows' (TRL's own row: over our first)
-    trl_s = rows[-1].get("step_s") if trl else None
+    # TRL's step and device peak over each of our rows' (TRL's own row: over our first)
+    trl_s, trl_mem = (rows[-1].get("step_s"), rows[-1].get("gpu_peak_gb")) if trl else (None, None)
     for r in rows:
         base = rows[0] if r is rows[-1] and trl else r
         r["ratio"] = trl_s / base["step_s"] if trl_s and base.get("step_s") else None
+        r["mem_ratio"] = trl_mem / base["gpu_peak_gb"] if trl_mem and base.get("gpu_peak_gb") else None
         if gpu and r.get("train_s") and r.get("train_tokens"):
             n = _param_count(job["model"])
             for name, peak in PEAKS.items():
                 r[f"mfu_{name}"] = 6 * n * r["train_tokens"] / r["train_s"] / peak
     _print_table(rows, gpu)
+    if trl and rows[0].get("ratio"):
+        work = ("both correct for vLLM's log-probs (truncated IS) and ask for them every step" if is_correction and vllm
+                else "neither corrects for vLLM's log-probs nor asks for them" if vllm else "no vLLM on either side")
+        mem = f", device peak TRL/ours {rows[0]['mem_ratio']:.2f}" if rows[0].get("mem_ratio") else ""
+        print(f"equal work ({work}): step TRL/ours {rows[0]['ratio']:.2f}{mem}", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"job": job, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()},
@@ -281,6 +298,11 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
         cmd += ["--share_prompt_prefix"]
     if job["vllm"]:
         cmd += ["--vllm_num_engines", "1"]
+        if job.get("is_correction", True):  # TRL's token_truncate: the weights clamped to [0, IS_CAP]
+            cmd += ["--enable_vllm_is_correction", "--vllm_is_correction_type", "tis",
+                    "--vllm_is_truncated_threshold", "0", str(IS_CAP)]
+        else:  # no engine log-probs in any step (the default asks every 10th, from the first)
+            cmd += ["--logprob_diff_steps", "1000000"]
         if job["gpu"]:  # actor, reference and engine share the one GPU; TRL's colocated engine takes 0.3 too
             cmd += ["--colocate_all_models", "--vllm_gpu_memory_utilization", "0.3"]
     elif job["gpu"]:
@@ -315,6 +337,9 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
             row[k] = med(f"time/{k}")
             row[k.replace("_s", "_steps")] = [m.get(f"time/{k}") for m in steps]
     row["train_steps"] = [m.get("time/train_s") for m in steps]
+    if any("rollout/logprob_diff" in m for m in timed):
+        row["logprob_diff"] = med("rollout/logprob_diff")
+    row["mem"] = {k: v for k, v in timed[-1].items() if k.startswith("mem/")}  # each process's measured and predicted peak
     row["gen_tok_s"] = batch * row["response_len"] / row["step_s"]
     # tokens the training phase processed (prompt + response, no padding): perf/tokens_per_s is per step
     row["train_tokens"] = _median([m["perf/tokens_per_s"] * m["time/step_s"] for m in timed])
@@ -352,6 +377,7 @@ def _run_trl(job: dict, run_dir: str, timeout: float) -> dict:
     med = lambda k: _median([s[k] for s in timed])  # noqa: E731
     row.update(step_s=med("step_s"), generate_s=med("generate_s"), logprobs_s=med("logprobs_s"), train_s=med("train_s"),
                sync_s=med("sync_s"), response_len=med("response_len"), train_tokens=med("train_tokens"),
+               logprob_diff=_median([s["logprob_diff"] for s in timed if "logprob_diff" in s]),
                other_s=_median([s["step_s"] - s["generate_s"] - s["logprobs_s"] - s["train_s"] - s["sync_s"] for s in timed]),
                steps=[s["step_s"] for s in steps])
     row["gen_tok_s"] = job["prompts"] * job["samples"] * row["response_len"] / row["step_s"]
@@ -429,6 +455,10 @@ def _trl_worker(spec_path: str) -> None:
                 response_len=counts["completion_tokens"] / (job["prompts"] * job["samples"])))
             print(f"trl step {state.global_step}: {json.dumps(records[-1])}", flush=True)
 
+        def on_log(self, args, state, control, logs=None, **kw):  # after on_step_end: TRL's |trainer - vLLM| log-prob
+            if records and logs and "sampling/sampling_logp_difference/mean" in logs:
+                records[-1]["logprob_diff"] = logs["sampling/sampling_logp_difference/mean"]
+
     batch = job["prompts"] * job["samples"]
     config = GRPOConfig(
         output_dir=job["run_dir"], per_device_train_batch_size=batch, gradient_accumulation_steps=1,
@@ -436,23 +466,43 @@ def _trl_worker(spec_path: str) -> None:
         max_steps=job["warmup"] + job["steps"], logging_steps=1, report_to="none", save_strategy="no",
         eval_strategy="no", bf16=job["bf16"], gradient_checkpointing=job["gradient_checkpointing"],
         use_vllm=job["vllm"], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, seed=job["seed"],
+        vllm_importance_sampling_correction=job.get("is_correction", True), vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=IS_CAP,
         temperature=1.0, disable_tqdm=True, use_cpu=not job["gpu"],
         model_init_kwargs={"dtype": torch.float32},  # fp32 master weights, as ours keeps under DeepSpeed bf16
     )
     trainer = Counted(model=job["model"], reward_funcs=reward, args=config, train_dataset=dataset,
                       callbacks=[StepTimer()])
+    if job["vllm"] and not job.get("is_correction", True):
+        _no_sampler_logprobs(trainer.vllm_generation)
     trainer.train()
     with open(job["result"], "w") as f:
         json.dump({"steps": records}, f)
+
+
+def _no_sampler_logprobs(gen) -> None:
+    """TRL asks vLLM for each sampled token's log-prob in every step (`logprobs=0`, fixed in GRPOTrainer) and
+    uses them only for the IS correction and its logged gap. With the correction off, stop the request, and
+    hand the trainer zeros of the right shape where it expects them (it keeps the top-1 of each position)."""
+    gen.logprobs = None
+    generate = gen.generate
+
+    def without_logprobs(*args, **kwargs):
+        prompt_ids, completion_ids, logprobs, token_ids = generate(*args, **kwargs)
+        if logprobs is None:
+            logprobs = [[[0.0]] * len(c) for c in completion_ids]
+        return prompt_ids, completion_ids, logprobs, token_ids
+
+    gen.generate = without_logprobs
 
 
 # ------------------------------------------------------------------------------------- table
 COLUMNS = [("step s", "step_s", "{:.2f}"), ("generate s", "generate_s", "{:.2f}"), ("logprobs s", "logprobs_s", "{:.2f}"),
            ("train s", "train_s", "{:.2f}"), ("sync s", "sync_s", "{:.2f}"),
            ("other s", "other_s", "{:.2f}"), ("gen tok/s", "gen_tok_s", "{:,.0f}"),
-           ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"),
+           ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"), ("logprob diff", "logprob_diff", "{:.4f}"),
            ("run wall s", "wall_s", "{:.0f}")]
-GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
+GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("TRL/ours peak", "mem_ratio", "{:.2f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
 
 
 def _print_table(rows: list[dict], gpu: bool) -> None:

@@ -3,7 +3,7 @@
     python bench/make_model.py --shape 0.5b --out /tmp/q05            # causal LM, Qwen2.5-0.5B shape
     python bench/make_model.py --shape 0.5b --out /tmp/q05rm --reward # the same body with a scalar head
 
-No download: the config is written here (Qwen2.5 0.5B / 1.5B dimensions), the weights are random
+No download: the config is written here (Qwen2.5 0.5B / 1.5B / 3B / 7B dimensions), the weights are random
 (seeded) and the tokenizer is the built-in tiny one (ids past its 512 tokens decode to nothing,
 which is fine for timing: rewards then come from a reward model, not from text).
 """
@@ -36,11 +36,13 @@ def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed:
     cfg = Qwen2Config(max_position_embeddings=4096, rope_theta=1e6, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape_kw)
     torch.manual_seed(seed)
-    if reward:
-        cfg.num_labels = 1
-        model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16)
-    else:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # On a GPU the random init takes seconds (7B: minutes on the CPU); the weights differ from a CPU build's
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        if reward:
+            cfg.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     for name in ("generation_config.json",):
