@@ -1,32 +1,20 @@
-"""DeepSpeed mechanisms shared by every script: process group, configs, engines, saving, sleep.
-
-One process or many: `python train_rm.py` (a single rank; the rendezvous variables are set here),
-`torchrun --nproc_per_node N train_rm.py` and `deepspeed train_rm.py` (which set them), or a Ray
-actor (which sets them before calling `setup_distributed`). On a machine without CUDA the gloo
-backend is used, so everything here runs on a laptop CPU.
+"""DeepSpeed mechanisms shared by every script: configs, engines, saving, sleep (the process group
+is common/dist.py). On a machine without CUDA the gloo backend is used, so everything here runs on
+a laptop CPU.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import socket
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
+from common.dist import DistInfo, free_port, quiet_libraries, setup_distributed  # noqa: F401 (ds.setup_distributed)
 from common.errors import UserError
 from common.memory_estimate import adam_offload_ratio
 from common.updates import SkipNonfinite
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -53,60 +41,6 @@ class DSSettings:
     grad_accum_dtype: str | None = None
     reentrant: bool = False
     deterministic: bool = False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _no_overflow_line(record) -> bool:
-    """DeepSpeed warns at each update it skips for non-finite gradients; our own log counts them in
-    train/skipped_updates (or the run stops naming the step), so its line would only repeat that."""
-    return "OVERFLOW! Skipping step" not in record.getMessage()
-
-
-def quiet_libraries() -> None:
-    """Only the driver prints: keep DeepSpeed's and transformers' own progress bars and info lines out."""
-    import logging
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns that it fell back to CPU
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel(logging.WARNING)
-    ds_logger.addFilter(_no_overflow_line)  # added once however often this runs: the same function
-
-
-def setup_distributed(timeout_s: float = 1800) -> DistInfo:
-    """Join (or create) the process group. Idempotent."""
-    quiet_libraries()
-    import deepspeed
-
-    # A plain `python script.py` has no launcher: make it a world of one.
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(seconds=timeout_s),
-            verbose=False,
-        )
-    return DistInfo(rank, world, local_rank, device)
 
 
 def resolve_dtype(bf16: bool, device: torch.device) -> tuple[torch.dtype, str | None]:
