@@ -30,6 +30,7 @@ class RLRun:
         from common.resources import check_fits
         from common.rl_checks import cpu_refused
         from common.rl_eval import load_prompts, text_scorer
+        from common.weight_sync import choose_transport
 
         self.a, self.plan = a, plan
         random.seed(a["seed"])
@@ -43,9 +44,14 @@ class RLRun:
         self.total_steps = min(a["max_steps"] or math.inf, self.steps_per_episode * a["num_episodes"])
         self.score_text = text_scorer(a)  # None: the reward model's workers score
         # a layout that cannot fit the GPU stops here, before Ray and the models (common/memory_plan.py)
-        self.memory = memory_plan.preflight(a, "rl", plan, seq=max(len(p.prompt_ids) for p in self.prompts) + a["generate_max_len"])
+        self.longest_prompt = max(len(p.prompt_ids) for p in self.prompts)
+        self.memory = memory_plan.preflight(a, "rl", plan, seq=self.longest_prompt + a["generate_max_len"])
 
         self.roles = {r.role: r for r in plan.roles}
+        # --vllm_sync_backend against the placement: refused here, before Ray and the models load
+        self.transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
+                                          colocated=plan.vllm_group == self.roles["actor"].group) \
+            if a["vllm_num_engines"] else None
         self.settings = ds.DSSettings(
             zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
@@ -105,9 +111,9 @@ class RLRun:
         from common.logger import MetricsLogger, git_commit, versions
         from common.ray_groups import RoleGroup, get
         from common.resources import plan_rows, plan_summary
-        from common.rollout import generation_note
+        from common.rollout import generation_note, positions_note
         from common.vllm_engine import start_script_engines
-        from common.weight_sync import WeightSync, choose_transport
+        from common.weight_sync import WeightSync
         from common.workers import ModelWorker
 
         a, plan = self.a, self.plan
@@ -119,9 +125,7 @@ class RLRun:
         self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)  # while the models load
         infos = [get(p, 1800, "model setup") for p in pending]
         if self.engines:
-            transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
-                                         colocated=plan.vllm_group == self.roles["actor"].group)
-            self.sync = WeightSync(self.actor, self.engines, transport=transport, bucket_mb=a["vllm_sync_bucket_mb"],
+            self.sync = WeightSync(self.actor, self.engines, transport=self.transport, bucket_mb=a["vllm_sync_bucket_mb"],
                                    timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"])
         self.trained = [self.groups[r] for r in ("actor", "critic") if r in self.groups]
 
@@ -157,10 +161,7 @@ class RLRun:
         for note in derived:
             log.info(f"default: {note}")
         gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
-        positions = _positions(self.pretrain)
-        if positions and a["prompt_max_len"] + a["generate_max_len"] > positions:
-            notes = notes + [f"--prompt_max_len {a['prompt_max_len']} + --generate_max_len {a['generate_max_len']} "
-                             f"exceeds the model's {positions} positions: longer sequences are cut there"]
+        notes = notes + [n for n in [positions_note(self.pretrain, self.longest_prompt, a["generate_max_len"])] if n]
         for note in [m for info in infos for m in info[0]["notes"]] + ([gen_note] if gen_note else []) + notes:
             log.warn_once(note, note)
         from common.rl_eval import BestCheckpoint
@@ -290,13 +291,3 @@ class RLRun:
         for e in self.engines:
             ray.kill(e)
 
-
-def _positions(path: str) -> int | None:
-    """The model's max_position_embeddings, from its config.json (None when it has none)."""
-    import json
-
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None

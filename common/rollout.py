@@ -147,6 +147,24 @@ def generation_note(use_gpu: bool, vllm_engines: int, static_cache: bool, zero_s
             f"{faster}vLLM engines (--vllm_num_engines) make the rollout several times faster (docs/performance.md)")
 
 
+def positions_note(model_path: str, longest_prompt: int, max_new_tokens: int) -> str | None:
+    """A banner warning when the longest prompt plus --generate_max_len exceeds the model's
+    max_position_embeddings (its config.json): those responses are cut there, silently otherwise.
+    The actual prompts count, not --prompt_max_len, so a short task on a short model is not warned."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    if not positions or longest_prompt + max_new_tokens <= positions:
+        return None
+    return (f"the longest prompt ({longest_prompt} tokens) + --generate_max_len {max_new_tokens} exceeds the model's "
+            f"{positions} positions: responses are cut there; lower --generate_max_len or --prompt_max_len")
+
+
 def generate_on_ranks(actor, prompt_ids: list[list[int]], sampling: dict, seed: int) -> Samples:
     """The policy samples for itself (no vLLM): prompts dealt round-robin over the actor group's
     ranks (rank r, seed + r), the answers put back in prompt order, each prompt's group together."""

@@ -144,3 +144,17 @@ def test_static_decoding_marks_truncated_rows_and_stops_at_eos():
     out, trunc = decode(eos)
     want = [f[: f.index(eos) + 1] if eos in f else f for f in full]
     assert out == want and trunc == [eos not in f for f in full] and trunc[0] is False
+
+
+def test_positions_note_counts_the_longest_prompt_not_the_flag(tmp_path):
+    """--generate_max_len past the model's positions cut 26% of responses silently (#22): warned in the
+    banner from the actual longest prompt, so the default task on a 512-position model is not warned."""
+    import json
+
+    from common.rollout import positions_note
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    assert positions_note(str(tmp_path), 20, 492) is None
+    note = positions_note(str(tmp_path), 20, 1024)
+    assert "longest prompt (20 tokens) + --generate_max_len 1024 exceeds the model's 512 positions" in note
+    assert positions_note(str(tmp_path / "missing"), 20, 1024) is None  # a hub id: nothing to read, no warning
