@@ -116,7 +116,9 @@ def results(tmp_path_factory):
     return _run(tmp, 1, (1, 2, 8)) | {k.replace("/", "/2x"): v for k, v in _run(tmp, 2, (1, 2, 4)).items()}
 
 
-def _close(a, b, rel=1e-6):
+# fp32 sums taken in another order (per micro-batch, per rank) differ by a few ulps per term: 2.5e-6 of the
+# largest gradient was seen on one host; the three modes differ by far more (test_the_modes_differ_here)
+def _close(a, b, rel=1e-5):
     import torch
 
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)

@@ -93,6 +93,8 @@ SKIP_NONFINITE = r"""
 import json, torch
 from common import ds, updates
 dist = ds.setup_distributed()
+# seeded: with some draws the one-element bias's bf16 step rounds to no change, and 'changed' failed
+torch.manual_seed(0)
 x = torch.randn(2, 1, 8)
 
 def engine(stage, dtype):
