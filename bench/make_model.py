@@ -19,10 +19,14 @@ SHAPES = {
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                vocab_size=152064, tie_word_embeddings=False),
+    # Llama-3-8B's sizes (the reference commands' model) in Qwen2's architecture, which adds q/k/v biases
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=128256, tie_word_embeddings=False, rope_theta=5e5),
 }
 
 
-def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed: int = 0):
+def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed: int = 0, config_only: bool = False):
+    """--config_only: config.json and the tokenizer, no weights (enough for --dry_run and the memory plan)."""
     import os
 
     import torch
@@ -33,8 +37,17 @@ def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed:
     tiny = tiny_model_path()
     tok = AutoTokenizer.from_pretrained(tiny)
     shape_kw = {"vocab_size": 151936, "tie_word_embeddings": True, **SHAPES[shape]}  # Qwen2.5's; 7B unties them
-    cfg = Qwen2Config(max_position_embeddings=4096, rope_theta=1e6, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape_kw)
+    cfg = Qwen2Config(max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **{"rope_theta": 1e6, **shape_kw})
+    if config_only:
+        if reward:
+            cfg.num_labels, cfg.architectures = 1, ["Qwen2ForSequenceClassification"]
+        else:
+            cfg.architectures = ["Qwen2ForCausalLM"]
+        cfg.save_pretrained(out)
+        tok.save_pretrained(out)
+        print(f"{out}: {shape} config only")
+        return
     torch.manual_seed(seed)
     # On a GPU the random init takes seconds (7B: minutes on the CPU); the weights differ from a CPU build's
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -95,3 +95,15 @@ def test_train_receives_typed_frozen_options(name, cls):
     assert f"TYPE {cls}" in p.stdout
     if name == "train_grpo.py":
         assert "TYPE GRPOOptions 8" in p.stdout  # filled from --advantage_estimator group_norm
+
+
+@pytest.mark.parametrize("mode,gpus", [("ppo8", 8), ("grpo8", 8)])
+def test_multi_gpu_runs_plan_on_a_cpu(tmp_path, mode, gpus):
+    """Issue #21's runs wait for a machine of several GPUs: each is one command, checked here with
+    --dry_run (config-only models of the real shape), so that there it only needs running."""
+    e = env() | {"DRY": "1", "PY": PY, "OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models")}
+    p = subprocess.run(["bash", "bench/multi_gpu_runs.sh", mode], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"total: {gpus} GPUs" in p.stdout and "needs a GPU of" in p.stdout
+    assert "4 engines x TP 2" in p.stdout  # the reference's engines, verbatim
