@@ -145,7 +145,10 @@ class MemoryPlan:
         procs = [p for p in self.processes if p.group == group]
         sums = {ph: (sum(p.phases[ph] for p in procs), sum(p.gpu_fraction.get(ph, 0.0) for p in procs))
                 for ph in self.job.phases}
-        ph = max(sums, key=lambda k: (sums[k][0] + sums[k][1] * (self.gpu_bytes or 100 * GiB),
+        # on a known GPU, where the bytes peak; else the phase that needs the largest GPU (vLLM's share
+        # of the GPU grows with it: bytes / (1 - share)), not a guessed size's peak
+        ph = max(sums, key=lambda k: (sums[k][0] + sums[k][1] * self.gpu_bytes if self.gpu_bytes else
+                                      sums[k][0] / max(1e-9, 1 - sums[k][1]),
                                       sum(p.allocated[k] for p in procs)))  # ties: where the tensors peak
         return (ph, *sums[ph])
 

@@ -231,3 +231,18 @@ def torch_float32():
     import torch
 
     return torch.float32
+
+
+def test_with_no_gpu_visible_the_needed_gpu_is_the_largest_over_phases():
+    """A colocated engine takes a share of the GPU while generating and little at the weight sync: the
+    dry run's 'needs a GPU of' is the largest bytes / (1 - share) over the phases (the reference GRPO
+    command on 8B: 73.7 GiB at sync, where a guessed 100 GiB GPU had named 56.6 at generate)."""
+    from common.memory_estimate import GiB, MemoryPlan, ProcessMemory
+
+    phases = {"generate": int(28.3 * GiB), "sync": int(73.7 * GiB)}
+    proc = ProcessMemory("g", "actor", 8, phases, dict(phases), {}, gpu_fraction={"generate": 0.5})
+    job = type("J", (), {"phases": ("generate", "sync")})()
+    phase, need, frac = MemoryPlan([proc], gpu_bytes=None, job=job).group_peak("g")
+    assert (phase, frac) == ("sync", 0.0) and need == phases["sync"]
+    # a known GPU: where the bytes peak (28.3 + 100 > 73.7)
+    assert MemoryPlan([proc], gpu_bytes=200 * GiB, job=job).group_peak("g")[0] == "generate"
