@@ -104,6 +104,14 @@ SMALL = {"train_grpo.py": ["--rollout_batch_size", "8"],
          "train_ppo.py": ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]}
 
 
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory):
+    """A tiny reward model trained for a few steps, shared by the tests that need one to load and score."""
+    rm = str(tmp_path_factory.mktemp("rm") / "rm")
+    script("train_rm.py", "--save_path", rm, "--max_steps", "20", "--eval_steps", "-1")
+    return rm
+
+
 def _prompt_flags(prompt_file, name="train_grpo.py"):
     return ["--prompt_data", prompt_file, "--input_key", "question", "--label_key", "answer",
             "--apply_chat_template", "--max_steps", "2", "--eval_steps", "-1", *SMALL[name]]
@@ -169,12 +177,10 @@ def test_http_reward_server(tmp_path, ray_head, prompt_file):
         server.shutdown()
 
 
-def test_reward_model_path(tmp_path, ray_head, prompt_file):
+def test_reward_model_path(tmp_path, ray_head, prompt_file, tiny_rm):
     """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it."""
-    rm = str(tmp_path / "rm")
-    script("train_rm.py", "--save_path", rm, "--max_steps", "20", "--eval_steps", "-1")
     out = str(tmp_path / "run")
-    script("train_ppo.py", "--save_path", out, "--reward_pretrain", rm, "--colocate_critic_reward", *_prompt_flags(prompt_file, "train_ppo.py"))
+    script("train_ppo.py", "--save_path", out, "--reward_pretrain", tiny_rm, "--colocate_critic_reward", *_prompt_flags(prompt_file, "train_ppo.py"))
     rows = metrics(out)
     assert len(rows) == 2 and "train/value_loss" in rows[-1]
 
@@ -282,13 +288,11 @@ def _on_cpu(flags: str, workers: int, tp: int) -> list[str]:
     ("train_ppo.py", REFERENCE_PPO.replace("--vllm_enable_sleep --deepspeed_enable_sleep", ""), 1, 1,
      ["--rollout_batch_size", "8", "--train_batch_size", "8"]),
 ])
-def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, workers, tp, small):
+def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, workers, tp, small, tiny_rm):
     from common.tiny import tiny_model_path
 
-    rm = str(tmp_path / "rm")
-    script("train_rm.py", "--save_path", rm, "--max_steps", "2", "--eval_steps", "-1")
     out = str(tmp_path / "out")
-    args = _on_cpu(flags.format(model=tiny_model_path(), rm=rm, out=out), workers, tp)
+    args = _on_cpu(flags.format(model=tiny_model_path(), rm=tiny_rm, out=out), workers, tp)
     script(name, *args, "--max_steps", "2", "--eval_steps", "-1", *small)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
