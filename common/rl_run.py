@@ -173,13 +173,19 @@ class RLRun:
     def generate(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):
         """Rollouts (common.rollout.Samples) from the vLLM engines (and their log-probs if asked), or
         from the actor's ranks."""
+        return self.submit(batch_prompts, sampling, seed, logprobs)()
+
+    def submit(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):
+        """`generate` started now (by the engines; the actor's ranks generate when asked for the
+        result): returns `collect() -> Samples`."""
         from common.rollout import generate_on_ranks
-        from common.vllm_engine import generate_balanced
+        from common.vllm_engine import submit_balanced
 
         ids = [p.prompt_ids for p in batch_prompts]
         if self.engines:
-            return generate_balanced(self.engines, ids, dict(sampling, logprobs=logprobs), seed, 1800)
-        return generate_on_ranks(self.actor, ids, sampling, seed)
+            collect = submit_balanced(self.engines, ids, dict(sampling, logprobs=logprobs), seed)
+            return lambda: collect(1800)
+        return lambda: generate_on_ranks(self.actor, ids, sampling, seed)
 
     def score(self, batch_prompts: list, samples, batch: dict, passed: list | None = None):
         """Scores [N] and the indices of samples whose reward is usable (`passed`, if given, gets each

@@ -20,6 +20,8 @@ class Samples:
     truncated: list[bool]                      # hit the length limit before eos
     logprobs: list[list[float]] | None = None  # the generator's log-prob of each response token, if known
     extra: dict = field(default_factory=dict)
+    # the policy version (training steps done) whose weights generated each sample (common.rollout_queue)
+    versions: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -27,7 +29,8 @@ class Samples:
     def select(self, keep: list[int]) -> "Samples":
         return Samples([self.prompt_ids[i] for i in keep], [self.response_ids[i] for i in keep],
                        [self.prompt_index[i] for i in keep], [self.truncated[i] for i in keep],
-                       None if self.logprobs is None else [self.logprobs[i] for i in keep])
+                       None if self.logprobs is None else [self.logprobs[i] for i in keep],
+                       versions=None if self.versions is None else [self.versions[i] for i in keep])
 
 
 def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:

@@ -262,21 +262,33 @@ def start_script_engines(a: dict, plan, pgs: dict, actor_group, pretrain: str) -
 
 def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, seed: int, timeout_s: float):
     """Split prompts into equal contiguous shards, one per engine; results in prompt order."""
-    from common.ray_groups import get
-    from common.rollout import Samples
+    return submit_balanced(engines, prompt_ids, sampling, seed)(timeout_s)
 
+
+def submit_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, seed: int):
+    """generate_balanced's calls, made now; returns `collect(timeout_s) -> Samples`, which waits for them.
+
+    An engine runs its calls one at a time in the order the driver made them, so calls made before a
+    weight sync generate with the weights from before it (--async_train, common.rollout_queue)."""
     k = len(engines)
     bounds = [round(i * len(prompt_ids) / k) for i in range(k + 1)]
     # Fewer prompts than engines leaves some shards empty: those engines get no call.
     used = [i for i in range(k) if bounds[i + 1] > bounds[i]]
     refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
-    out = Samples([], [], [], [], [], extra={})
-    for i, part in zip(used, get(refs, timeout_s, "vLLM generate")):
-        for key, v in part.extra.items():  # engines run at once: the slowest counts
-            out.extra[key] = max(out.extra.get(key, 0.0), v)
-        out.prompt_ids += part.prompt_ids
-        out.response_ids += part.response_ids
-        out.prompt_index += [bounds[i] + j for j in part.prompt_index]
-        out.truncated += part.truncated
-        out.logprobs = None if part.logprobs is None or out.logprobs is None else out.logprobs + part.logprobs
-    return out
+
+    def collect(timeout_s: float):
+        from common.ray_groups import get
+        from common.rollout import Samples
+
+        out = Samples([], [], [], [], [], extra={})
+        for i, part in zip(used, get(refs, timeout_s, "vLLM generate")):
+            for key, v in part.extra.items():  # engines run at once: the slowest counts
+                out.extra[key] = max(out.extra.get(key, 0.0), v)
+            out.prompt_ids += part.prompt_ids
+            out.response_ids += part.response_ids
+            out.prompt_index += [bounds[i] + j for j in part.prompt_index]
+            out.truncated += part.truncated
+            out.logprobs = None if part.logprobs is None or out.logprobs is None else out.logprobs + part.logprobs
+        return out
+
+    return collect
