@@ -140,6 +140,8 @@ def main(
     enable_vllm_is_correction: o.VllmISCorrection = False,
     vllm_is_truncated_threshold: o.VllmISThreshold = (0.5, 5.0),
     vllm_is_correction_type: o.VllmISType = "tis",
+    async_train: o.AsyncTrain = False,
+    async_queue_size: o.AsyncQueueSize = 1,
     dry_run: o.DryRun = False,
     save_path: o.SavePath = "./output/ppo",
     save_steps: o.SaveSteps = -1,
@@ -213,6 +215,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     from common.ray_groups import get
     from common.rl_run import RLRun
     from common.rollout import make_batch, split_batch
+    from common.rollout_queue import RolloutQueue, staleness
 
     run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl_run.py)
     n, pretrain = a.n_samples_per_prompt, run.pretrain
@@ -269,17 +272,22 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     batches = iterate_batches(len(run.prompts), a.rollout_batch_size, a.seed, start_epoch=state["episode"],
                               start_step=state["step_in_episode"])
     step, skipped, stopped = state["step"], state["skipped_updates"], False
+    # With --async_train the engines generate the next rollout(s) while the trainer trains on this one:
+    # up to `depth` rollouts ahead, from weights that many versions old (common/rollout_queue.py).
+    # depth 0: generate, then train. Stale samples need the engines' log-probs at every step (phase 3).
+    depth = a.async_queue_size if a.async_train else 0
+    rollouts = RolloutQueue(
+        lambda prompts, seed, lp: run.submit(prompts, sampling, seed, lp), batches, run.prompts, depth=depth,
+        save_steps=a.save_steps, start=step, total=run.total_steps, seed=lambda j: a.seed * 100_003 + j * 1009,
+        logprobs=lambda j: depth > 0 or a.enable_vllm_is_correction or j % a.logprob_diff_steps == 0)
     while step < run.total_steps and not stopped:
-        episode, step_in_episode, idx = next(batches)
         t_step = time.perf_counter()
-        batch_prompts = [run.prompts[i] for i in idx]
         metrics = {}
 
-        # 1. generate
-        t0 = time.perf_counter()
-        check = a.enable_vllm_is_correction or step % a.logprob_diff_steps == 0  # the engines' log-probs
-        samples = run.generate(batch_prompts, sampling, seed=a.seed * 100_003 + step * 1009, logprobs=check)
-        metrics["time/generate_s"] = time.perf_counter() - t0
+        # 1. generate (or take the rollout the engines generated during the last step)
+        r = rollouts.take(step)  # first submits the later rollouts this step's weights generate
+        episode, step_in_episode, batch_prompts, samples = r.episode, r.step_in_episode, r.prompts, r.samples
+        metrics["time/generate_s"] = r.wait_s
         # inside vLLM (the rest is Ray moving prompts and samples): wall, CPU and garbage-collector seconds
         metrics.update({f"time/{k}": v for k, v in samples.extra.items()})
 
@@ -312,15 +320,20 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         mask = batch["action_mask"]
         metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
+        lag = step - min(samples.versions)  # versions between the weights that sampled and the trainer's
+        if a.async_train:
+            metrics.update(staleness(samples.versions, step))
 
         # 3. old and reference log-probs. With one optimizer step per rollout, the policy about to be
         # trained holds the weights that sampled (the policy itself, or engines synced after the last
-        # step): its log-probs come free from the training forward (unless the KL enters the reward,
-        # which needs them before the update). The engines' log-probs are then checked, and the IS
-        # weights taken, in that forward too (actor_loss).
+        # step, unless the rollout is stale): its log-probs come free from the training forward (unless
+        # the KL enters the reward, which needs them before the update). The engines' log-probs are
+        # then checked, and the IS weights taken, in that forward too (actor_loss). A stale rollout's
+        # old log-probs are the trainer's weights before the update; the IS weights then correct for
+        # the older weights that sampled it.
         t0 = time.perf_counter()
         steps_per_pass = max(1, len(samples) // a.train_batch_size)
-        fresh = a.max_epochs == 1 and steps_per_pass == 1 and (a.init_kl_coef == 0 or kl_in_loss)
+        fresh = lag == 0 and a.max_epochs == 1 and steps_per_pass == 1 and (a.init_kl_coef == 0 or kl_in_loss)
         if not fresh:
             batch["old_logprobs"] = run.per_rank(actor, "logprobs", batch, a.micro_rollout_batch_size)
         if "ref" in run.groups:
@@ -383,7 +396,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
             metrics["train/kl"] = metrics["train/kl_loss"]
         kl_ctl.update(metrics["train/kl"], len(samples))
         metrics["train/kl_coef"] = kl_ctl.value
-        if metrics.get("rollout/logprob_diff", 0.0) > a.logprob_diff_warn:
+        if lag == 0 and metrics.get("rollout/logprob_diff", 0.0) > a.logprob_diff_warn:  # stale: a gap is expected
             log.warn_once(f"lp{step}", f"step {step + 1}: trainer and vLLM log-probs differ by "
                           f"{metrics['rollout/logprob_diff']:.4f} on average (> --logprob_diff_warn {a.logprob_diff_warn})")
         if a.skip_nonfinite_updates:
@@ -395,7 +408,9 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
             if a.skip_nonfinite_updates:
                 metrics["train/critic_skipped_updates"] = skipped["critic"]
 
-        # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run)
+        # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run); an
+        # engine takes them after the rollouts it is generating
+        metrics.update(rollouts.settle())
         run.to_rollout(metrics)
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())

@@ -196,7 +196,8 @@ def _generate_batch(v, ours, given, info):
     if v is None:
         return
     require(v <= ours["rollout_batch_size"], f"--vllm_generate_batch_size {v} above --rollout_batch_size "
-            f"{ours['rollout_batch_size']} over-samples for asynchronous training, which is not supported yet; drop it")
+            f"{ours['rollout_batch_size']} generates several steps' prompts in one vLLM call (OpenRLHF's async over-sampling), "
+            "which is not supported; drop it (--async_train generates each step's rollout ahead, one call per step)")
     info["notes"].append("--vllm_generate_batch_size: all prompts of a step go to the engines at once here (they "
                          "batch them themselves); the flag changes nothing")
 

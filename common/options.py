@@ -195,6 +195,8 @@ LogprobWarn = Annotated[float, opt("logprob_diff_warn", "Warn when the mean |tra
 VllmISCorrection = Annotated[bool, flag("enable_vllm_is_correction", "Importance-sampling correction for the gap between the engines' and the trainer's log-probs (--vllm_is_correction_type).", ALGO)]
 VllmISThreshold = Annotated[tuple[float, float], opt("vllm_is_truncated_threshold", "LOW HIGH bounds of the importance weights (tis clamps to them; icepop and seq-mask-tis zero what falls outside).", ALGO)]
 VllmISType = Annotated[Literal["tis", "icepop", "seq-mask-tis"], opt("vllm_is_correction_type", "tis (token weights clamped: truncated IS) | icepop (token weights outside the bounds masked) | seq-mask-tis (whole sequences masked by their geometric-mean weight).", ALGO)]
+AsyncTrain = Annotated[bool, flag("async_train", "The engines generate the next rollout(s) while the trainer trains on this one (needs --vllm_num_engines, not --colocate_all_models); samples are then up to --async_queue_size policy versions old (rollout/staleness_*), which --enable_vllm_is_correction corrects for.", ROLLOUT)]
+AsyncQueueSize = Annotated[int, opt("async_queue_size", "With --async_train: rollouts generated ahead of training, so no sample is trained more than N policy versions after the weights that generated it (0: generate, then train, as without --async_train).", ROLLOUT, min=0)]
 VllmSleepLevel = Annotated[int, opt("vllm_sleep_level", "vLLM sleep level: 1 keeps weights in CPU memory, 2 drops them (they are re-synced anyway).", ROLLOUT, min=1, max=2)]
 
 

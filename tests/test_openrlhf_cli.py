@@ -107,7 +107,10 @@ def test_translations(args, expect, monkeypatch, tmp_path):
     (["--max_len", "64", "--prompt_max_len", "32", "--generate_max_len", "32"], "not all three"),
     (["--param_dtype", "fp16"], "use --param_dtype bf16"),
     (["--lora_rank", "8"], "LoRA is not supported yet (issue #9"),
-    (["--async_train"], "asynchronous"),
+    (["--partial_rollout"], "partial rollouts (a weight sync while generation is in flight"),
+    (["--async_train"], "--async_train overlaps the vLLM engines' generation with training: add --vllm_num_engines N"),
+    (["--async_train", "--vllm_num_engines", "1", "--colocate_all_models"],
+     "--async_train needs the engines on GPUs (or CPU cores) of their own"),
     (["--attn_implementation", "flash_attention_3"], "choose flash_attention_2, sdpa or eager"),
 ])
 def test_refusals_say_what_to_use(args, expect, monkeypatch, tmp_path):
@@ -135,7 +138,7 @@ EXPECT = {
     "train_ppo_with_reward_fn.sh": None,
     "train_prorlv2_math_hybrid_engine.sh": "dynamic batching",
     "train_reinforce_baseline_hybrid_engine.sh": ("ring attention", "agent", "dynamic batching"),
-    "train_reinforce_baseline_ray_agent_async.sh": ("ring attention", "agent", "dynamic batching", "asynchronous"),
+    "train_reinforce_baseline_ray_agent_async.sh": ("ring attention", "agent", "dynamic batching", "partial rollouts"),
     "train_vlm_math_hybrid_engine.sh": "images",
     "train_rm.sh": None,
     "train_dpo_llama.sh": None,
