@@ -324,16 +324,14 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         if a.async_train:
             metrics.update(staleness(samples.versions, step))
 
-        # 3. old and reference log-probs. With one optimizer step per rollout, the policy about to be
-        # trained holds the weights that sampled (the policy itself, or engines synced after the last
-        # step, unless the rollout is stale): its log-probs come free from the training forward (unless
-        # the KL enters the reward, which needs them before the update). The engines' log-probs are
-        # then checked, and the IS weights taken, in that forward too (actor_loss). A stale rollout's
-        # old log-probs are the trainer's weights before the update; the IS weights then correct for
-        # the older weights that sampled it.
+        # 3. old and reference log-probs. With one optimizer step per rollout, PPO's old policy is the
+        # trainer's weights before this update: its log-probs come free from the training forward (unless
+        # the KL enters the reward, which needs them before the update). The engines' log-probs are then
+        # checked, and the IS weights taken, in that forward too (actor_loss); for a stale rollout
+        # (--async_train) those weights correct for the older weights that sampled it.
         t0 = time.perf_counter()
         steps_per_pass = max(1, len(samples) // a.train_batch_size)
-        fresh = lag == 0 and a.max_epochs == 1 and steps_per_pass == 1 and (a.init_kl_coef == 0 or kl_in_loss)
+        fresh = a.max_epochs == 1 and steps_per_pass == 1 and (a.init_kl_coef == 0 or kl_in_loss)
         if not fresh:
             batch["old_logprobs"] = run.per_rank(actor, "logprobs", batch, a.micro_rollout_batch_size)
         if "ref" in run.groups:
