@@ -98,11 +98,15 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
             f"{' and '.join(need)} {'needs' if len(need) == 1 else 'need'} vLLM engines: add --vllm_num_engines N or drop it")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
             "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
-    if a["async_train"]:  # the engines generate while the trainer trains: they need resources of their own
+    if a["async_train"]:  # the engines generate while the trainer trains
         require(a["vllm_num_engines"] > 0, "--async_train overlaps the vLLM engines' generation with training: add "
                 "--vllm_num_engines N or drop --async_train")
-        require(not a["colocate_all_models"], "--async_train needs the engines on GPUs (or CPU cores) of their own, "
-                "generating while the trainer trains: drop --colocate_all_models or drop --async_train")
+        # OpenRLHF refuses --colocate_all_models outright; without sleep both sides stay resident and may
+        # share the GPUs (the one-GPU case), so only the sleep flags, which assume turns, are refused.
+        sleeps = [f"--{k}" for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if a[k]]
+        require(not (a["colocate_all_models"] and sleeps), f"--async_train --colocate_all_models: the engines generate "
+                f"while the trainer trains on the same GPUs, so neither side can sleep: drop {' and '.join(sleeps)}, "
+                "or give the engines GPUs of their own (drop --colocate_all_models)")
 
 
 def cpu_refused(a: dict, use_gpu: bool) -> list[tuple[str, str]]:

@@ -109,8 +109,8 @@ def test_translations(args, expect, monkeypatch, tmp_path):
     (["--lora_rank", "8"], "LoRA is not supported yet (issue #9"),
     (["--partial_rollout"], "partial rollouts (a weight sync while generation is in flight"),
     (["--async_train"], "--async_train overlaps the vLLM engines' generation with training: add --vllm_num_engines N"),
-    (["--async_train", "--vllm_num_engines", "1", "--colocate_all_models"],
-     "--async_train needs the engines on GPUs (or CPU cores) of their own"),
+    (["--async_train", "--vllm_num_engines", "1", "--colocate_all_models", "--vllm_enable_sleep"],
+     "neither side can sleep: drop --vllm_enable_sleep, or give the engines GPUs of their own"),
     (["--attn_implementation", "flash_attention_3"], "choose flash_attention_2, sdpa or eager"),
 ])
 def test_refusals_say_what_to_use(args, expect, monkeypatch, tmp_path):

@@ -376,12 +376,14 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 def test_async_queue_size_0_is_the_synchronous_loop(tmp_path, ray_head):
     """Depth 0 generates, then trains: the same samples and losses as without --async_train (PPO,
-    whose script shares the loop's lines with GRPO's)."""
+    whose script shares the loop's lines with GRPO's), here with the engine colocated with the
+    trainer (which OpenRLHF refuses with --async_train; allowed without the sleep flags)."""
     flags = ["--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "3", "--eval_steps", "-1", *PPO_SMALL]
     sync, queued = str(tmp_path / "sync"), str(tmp_path / "queued")
     t0 = time.perf_counter()
     script("train_ppo.py", "--save_path", sync, *flags)
-    script("train_ppo.py", "--save_path", queued, *flags, "--async_train", "--async_queue_size", "0")
+    script("train_ppo.py", "--save_path", queued, *flags, "--async_train", "--async_queue_size", "0",
+           "--colocate_all_models")
     a, b = _trained(metrics(sync)), _trained(metrics(queued))
     assert all(r["rollout/staleness_max"] == 0 for r in b)
     assert [{k: r[k] for k in ra} for ra, r in zip(a, b)] == a
