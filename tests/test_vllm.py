@@ -263,11 +263,11 @@ def _hf_logprobs(path: str, samples) -> list[list[float]]:
 
 def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, tmp_path):
     """--partial_rollout at one engine: a rollout in chunks of 2 new tokens, with a sync of different
-    weights forced after the first chunk (the driver thread's place, taken here by the test). Tokens of
-    the first chunk carry version 0 and the later ones version 1, and the engine's log-prob of each
+    weights forced after the first chunk (by the shard's driver thread, before its next call). Tokens
+    of the first chunk carry version 0 and the later ones version 1, and the engine's log-prob of each
     token is that of the weights that sampled it (a plain transformers forward of each version's
     saved weights), not the other's. Without a sync in the middle, chunked rollouts repeat exactly."""
-    from common.partial_rollout import generate_in_chunks
+    from common.partial_rollout import submit_chunked
     from common.rollout import Samples, make_batch
 
     old, new = str(tmp_path / "v0"), str(tmp_path / "v1")
@@ -282,16 +282,18 @@ def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, t
 
     calls = []
 
-    def call(prompt_ids, sampling, seed):
-        out = _engine(rig, prompt_ids, sampling, seed)
-        if not calls:
-            rig.syncs["ray"](1)  # in a run this call queues in the engine behind the chunk
-        calls.append(len(prompt_ids))
-        return out
+    def call(engine, timeout_s):
+        def one(prompt_ids, sampling, seed):
+            out = _engine(rig, prompt_ids, sampling, seed)
+            if not calls:
+                rig.syncs["ray"](1)  # in a run this call queues in the engine behind the chunk
+            calls.append(len(prompt_ids))
+            return out
+        return one
 
     sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, logprobs=True)
     t0 = time.perf_counter()
-    s = generate_in_chunks(call, rig.prompts, sampling, seed=5, chunk=2)
+    s = submit_chunked([rig.engine], rig.prompts, sampling, seed=5, chunk=2, call=call)()
     assert calls[0] == n and len(calls) > 1 and len(s) == 2 * n
     assert all(tv == [0] * min(2, len(tv)) + [1] * max(0, len(tv) - 2) for tv in s.token_versions), s.token_versions
     assert s.versions == [0] * len(s)
@@ -309,7 +311,7 @@ def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, t
     assert max(own) < TOKEN_LOGPROB_TOL and sum(own) / len(own) < MEAN_LOGPROB_TOL
     assert sum(other) / len(other) > 100 * MEAN_LOGPROB_TOL  # the comparison tells the two versions apart
 
-    again = [generate_in_chunks(lambda *args: _engine(rig, *args), rig.prompts, sampling, seed=5, chunk=2) for _ in range(2)]
+    again = [submit_chunked([rig.engine], rig.prompts, sampling, seed=5, chunk=2)() for _ in range(2)]
     assert again[0].response_ids == again[1].response_ids and again[0].logprobs == again[1].logprobs
     assert {v for tv in again[0].token_versions for v in tv} == {1}
 
