@@ -142,6 +142,8 @@ def main(
     vllm_is_correction_type: o.VllmISType = "tis",
     async_train: o.AsyncTrain = False,
     async_queue_size: o.AsyncQueueSize = 1,
+    partial_rollout: o.PartialRollout = False,
+    partial_rollout_chunk: o.PartialRolloutChunk = 64,
     dry_run: o.DryRun = False,
     save_path: o.SavePath = "./output/ppo",
     save_steps: o.SaveSteps = -1,
@@ -276,8 +278,11 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     # up to `depth` rollouts ahead, from weights that many versions old (common/rollout_queue.py).
     # depth 0: generate, then train. Stale samples need the engines' log-probs at every step (phase 3).
     depth = a.async_queue_size if a.async_train else 0
+    # --partial_rollout: the engines generate in chunks and take each weight sync between two, so a
+    # sample's later tokens may come from newer weights (common/partial_rollout.py)
+    chunk = a.partial_rollout_chunk if a.partial_rollout else 0
     rollouts = RolloutQueue(
-        lambda prompts, seed, lp: run.submit(prompts, sampling, seed, lp), batches, run.prompts, depth=depth,
+        lambda prompts, seed, lp: run.submit(prompts, sampling, seed, lp, chunk), batches, run.prompts, depth=depth,
         save_steps=a.save_steps, start=step, total=run.total_steps, seed=lambda j: a.seed * 100_003 + j * 1009,
         logprobs=lambda j: depth > 0 or a.enable_vllm_is_correction or j % a.logprob_diff_steps == 0)
     while step < run.total_steps and not stopped:
@@ -322,7 +327,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
         lag = step - min(samples.versions)  # versions between the weights that sampled and the trainer's
         if a.async_train:
-            metrics.update(staleness(samples.versions, step))
+            metrics.update(staleness(samples.versions, step, samples.token_versions))
 
         # 3. old and reference log-probs. With one optimizer step per rollout, PPO's old policy is the
         # trainer's weights before this update: its log-probs come free from the training forward (unless
@@ -407,9 +412,10 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
                 metrics["train/critic_skipped_updates"] = skipped["critic"]
 
         # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run); an
-        # engine takes them after the rollouts it is generating
-        metrics.update(rollouts.settle())
-        run.to_rollout(metrics)
+        # engine takes them after the rollouts it is generating (--partial_rollout: after its current chunk)
+        if not a.partial_rollout:
+            metrics.update(rollouts.settle())
+        run.to_rollout(metrics, step + 1)
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step_s"]

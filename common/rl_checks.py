@@ -98,6 +98,8 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
             f"{' and '.join(need)} {'needs' if len(need) == 1 else 'need'} vLLM engines: add --vllm_num_engines N or drop it")
     require(not a["vllm_enable_sleep"] or a["colocate_all_models"],
             "--vllm_enable_sleep frees GPU memory for models sharing the GPUs: add --colocate_all_models or drop it")
+    require(a["async_train"] or not a["partial_rollout"], "--partial_rollout syncs weights into the generation that "
+            "--async_train overlaps with training: add --async_train or drop --partial_rollout")
     if a["async_train"]:  # the engines generate while the trainer trains
         require(a["vllm_num_engines"] > 0, "--async_train overlaps the vLLM engines' generation with training: add "
                 "--vllm_num_engines N or drop --async_train")

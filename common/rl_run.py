@@ -111,6 +111,7 @@ class RLRun:
         from common.logger import MetricsLogger, git_commit, versions
         from common.ray_groups import RoleGroup, get
         from common.resources import plan_rows, plan_summary
+        from common.rl_eval import BestCheckpoint
         from common.rollout import generation_note, positions_note
         from common.vllm_engine import start_script_engines
         from common.weight_sync import WeightSync
@@ -136,7 +137,7 @@ class RLRun:
                 state = g.call("load_checkpoint", self.resumed.replace(
                     os.path.join(self.ckpt_root, "actor"), os.path.join(self.ckpt_root, g.role)))[0]
             if self.engines:  # the engines start from --pretrain; give them the resumed weights
-                self.sync()
+                self.sync(state["step"])
         state.setdefault("skipped_updates", {g.role: 0 for g in self.trained})  # older checkpoints have none
         self.ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
 
@@ -164,24 +165,24 @@ class RLRun:
         notes = notes + [n for n in [positions_note(self.pretrain, self.longest_prompt, a["generate_max_len"])] if n]
         for note in [m for info in infos for m in info[0]["notes"]] + ([gen_note] if gen_note else []) + notes:
             log.warn_once(note, note)
-        from common.rl_eval import BestCheckpoint
-
         self.best = BestCheckpoint(a["best_metric_key"], state.get("best"))
         return state
 
     # ---------------------------------------------------------------- phases
     def generate(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):
-        """Rollouts (common.rollout.Samples) from the vLLM engines (and their log-probs if asked), or
-        from the actor's ranks."""
+        """Rollouts (common.rollout.Samples) from the vLLM engines (their log-probs if asked) or the actor's ranks."""
         return self.submit(batch_prompts, sampling, seed, logprobs)()
 
-    def submit(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):
-        """`generate` started now (by the engines; the actor's ranks generate when asked for the
-        result): returns `collect() -> Samples`."""
+    def submit(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False, chunk: int = 0):
+        """`generate` started now (by the engines, in chunks of `chunk` new tokens if > 0: common.partial_rollout;
+        the actor's ranks generate when asked for the result): returns `collect() -> Samples`."""
+        from common.partial_rollout import submit_chunked
         from common.rollout import generate_on_ranks
         from common.vllm_engine import submit_balanced
 
         ids = [p.prompt_ids for p in batch_prompts]
+        if self.engines and chunk:
+            return submit_chunked(self.engines, ids, dict(sampling, logprobs=logprobs), seed, chunk)
         if self.engines:
             collect = submit_balanced(self.engines, ids, dict(sampling, logprobs=logprobs), seed)
             return lambda: collect(1800)
@@ -222,8 +223,8 @@ class RLRun:
         self.vllm_sleep("sleep", self.a["vllm_sleep_level"])
         return self.ds_sleep("reload_states")
 
-    def to_rollout(self, metrics: dict) -> None:
-        """After training: new weights to the engines, training states off the GPU, then the KV cache.
+    def to_rollout(self, metrics: dict, version: int) -> None:
+        """After training: new weights (policy `version`) to the engines, training states off the GPU, then the KV cache.
 
         vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
         offloading first made the engines load stale shards), then the training states leave, and only
@@ -233,7 +234,7 @@ class RLRun:
                 metrics.update(memory_plan.mem_metrics(g.role, g.call("gpu_memory")[0], self.memory))  # measured, predicted
         if self.engines:
             self.vllm_sleep("wake_up", ["weights"])
-            metrics.update(self.sync())
+            metrics.update(self.sync(version))
         metrics["time/offload_s"] = self.ds_sleep("offload_states")
         if self.engines:
             self.vllm_sleep("wake_up", ["kv_cache"])

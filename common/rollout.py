@@ -20,17 +20,37 @@ class Samples:
     truncated: list[bool]                      # hit the length limit before eos
     logprobs: list[list[float]] | None = None  # the generator's log-prob of each response token, if known
     extra: dict = field(default_factory=dict)
-    # the policy version (training steps done) whose weights generated each sample (common.rollout_queue)
+    # the policy version (training steps done) whose weights generated each sample (common.rollout_queue);
+    # with --partial_rollout the oldest of its tokens' versions (token_versions: one per response token)
     versions: list[int] | None = None
+    token_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def select(self, keep: list[int]) -> "Samples":
-        return Samples([self.prompt_ids[i] for i in keep], [self.response_ids[i] for i in keep],
-                       [self.prompt_index[i] for i in keep], [self.truncated[i] for i in keep],
-                       None if self.logprobs is None else [self.logprobs[i] for i in keep],
-                       versions=None if self.versions is None else [self.versions[i] for i in keep])
+        def pick(values):
+            return None if values is None else [values[i] for i in keep]
+
+        return Samples(pick(self.prompt_ids), pick(self.response_ids), pick(self.prompt_index), pick(self.truncated),
+                       pick(self.logprobs), versions=pick(self.versions), token_versions=pick(self.token_versions))
+
+
+def merge_shards(parts: list[tuple[int, Samples]]) -> Samples:
+    """One Samples from the engines' shards, in order; (first prompt's index, shard) each. A list field
+    stays only if every shard has it; in `extra` (seconds) the slowest shard counts: engines run at once."""
+    out = Samples([], [], [], [], [], extra={}, versions=[], token_versions=[])
+    for offset, part in parts:
+        for key, v in part.extra.items():
+            out.extra[key] = max(out.extra.get(key, 0.0), v)
+        out.prompt_ids += part.prompt_ids
+        out.response_ids += part.response_ids
+        out.prompt_index += [offset + j for j in part.prompt_index]
+        out.truncated += part.truncated
+        for name in ("logprobs", "versions", "token_versions"):
+            mine, theirs = getattr(out, name), getattr(part, name)
+            setattr(out, name, None if mine is None or theirs is None else mine + theirs)
+    return out
 
 
 def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,11 @@ before a weight sync is generated with the weights from before it, and the sync 
   from it regenerates the rollouts that were in flight with the very weights and seeds the
   uninterrupted run used, so a resumed run repeats it exactly. The price: the step right after a
   checkpoint waits for its rollout instead of overlapping it.
+- With --partial_rollout (common.partial_rollout) an engine takes a weight sync between two chunks
+  of a rollout rather than after it, and the driver does not `settle` first: a sample's tokens may
+  span versions, all at least v_j, and its version is its oldest token's, so the bound above holds.
+  Which chunk a sync lands after depends on timing: a resumed run restarts from the same weights and
+  seeds, but its token versions, and so its samples, need not repeat the uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -96,11 +101,16 @@ class RolloutQueue:
     def _collect(r: Rollout) -> None:
         if r.samples is None:
             r.samples = r.collect()
-            r.samples.versions = [r.version] * len(r.samples)
+            if r.samples.token_versions is None:  # else the engines tagged each token (--partial_rollout)
+                r.samples.versions = [r.version] * len(r.samples)
 
 
-def staleness(versions: list[int], step: int) -> dict:
+def staleness(versions: list[int], step: int, token_versions: list[list[int]] | None = None) -> dict:
     """rollout/staleness_mean and _max: how many versions behind the trainer (at `step`) the weights
-    that generated each trained sample were."""
+    that generated each trained sample were (its oldest token's); with per-token versions also
+    rollout/partial_frac, the samples whose tokens come from more than one version."""
     lags = [step - v for v in versions]
-    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+    out = {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+    if token_versions is not None:
+        out["rollout/partial_frac"] = sum(len(set(tv)) > 1 for tv in token_versions) / len(token_versions)
+    return out

@@ -95,6 +95,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.index, self.spec = index, spec
+        self.version = 0  # the policy version of the weights held, set by each sync; tags the samples
         self.llm = LLM(model=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len,
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
@@ -160,7 +161,7 @@ class VllmEngine:
         m = engine_clock.mark()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         extra, compiled = engine_clock.since(m, self.timing_jit)
-        s = Samples([], [], [], [], [] if want_lp else None, extra=extra)
+        s = Samples([], [], [], [], [] if want_lp else None, extra=extra, versions=[])
         if compiled:  # into the actor's log (Ray's session logs): what made a slow call slow
             logging.getLogger("hybridrl").warning("vLLM engine %d compiled Triton kernels during generate (%.2f s): %s",
                                                   self.index, extra["engine_jit_s"], ", ".join(compiled))
@@ -171,6 +172,7 @@ class VllmEngine:
                 s.response_ids.append(ids)
                 s.prompt_index.append(i)
                 s.truncated.append(c.finish_reason == "length")
+                s.versions.append(self.version)
                 if want_lp:
                     flat = c.logprobs  # logprobs=0: one entry per position, the sampled token's
                     s.logprobs.append([flat.logprobs[k] for k in flat.start_indices])
@@ -181,9 +183,10 @@ class VllmEngine:
         """Each worker joins as rank `first_rank` + its tensor-parallel rank."""
         self.llm.collective_rpc("hybridrl_join", args=(backend, addr, port, first_rank, world, timeout_s))
 
-    def receive_weights(self, buckets: list, transport: str, payload) -> float:
+    def receive_weights(self, buckets: list, transport: str, payload, version: int | None = None) -> float:
         """Every worker takes every bucket, then loads them in one reload; returns the seconds the
-        engine spent (for a broadcast, receiving included: the workers receive and load in one call)."""
+        engine spent (for a broadcast, receiving included: the workers receive and load in one call).
+        `version`: the policy version these weights are (None: one more than before)."""
         import ray
 
         t0 = time.perf_counter()
@@ -196,6 +199,7 @@ class VllmEngine:
             args = (pickle.dumps(args),)
         self.llm.collective_rpc("hybridrl_receive", args=args)
         self.llm.reset_prefix_cache()
+        self.version = self.version + 1 if version is None else version
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- sleep (GPU only)
@@ -270,25 +274,20 @@ def submit_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, 
 
     An engine runs its calls one at a time in the order the driver made them, so calls made before a
     weight sync generate with the weights from before it (--async_train, common.rollout_queue)."""
-    k = len(engines)
-    bounds = [round(i * len(prompt_ids) / k) for i in range(k + 1)]
-    # Fewer prompts than engines leaves some shards empty: those engines get no call.
-    used = [i for i in range(k) if bounds[i + 1] > bounds[i]]
+    bounds, used = shard_bounds(len(prompt_ids), len(engines))
     refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
 
     def collect(timeout_s: float):
         from common.ray_groups import get
-        from common.rollout import Samples
+        from common.rollout import merge_shards
 
-        out = Samples([], [], [], [], [], extra={})
-        for i, part in zip(used, get(refs, timeout_s, "vLLM generate")):
-            for key, v in part.extra.items():  # engines run at once: the slowest counts
-                out.extra[key] = max(out.extra.get(key, 0.0), v)
-            out.prompt_ids += part.prompt_ids
-            out.response_ids += part.response_ids
-            out.prompt_index += [bounds[i] + j for j in part.prompt_index]
-            out.truncated += part.truncated
-            out.logprobs = None if part.logprobs is None or out.logprobs is None else out.logprobs + part.logprobs
-        return out
+        return merge_shards([(bounds[i], part) for i, part in zip(used, get(refs, timeout_s, "vLLM generate"))])
 
     return collect
+
+
+def shard_bounds(n: int, k: int) -> tuple[list[int], list[int]]:
+    """`n` prompts in `k` equal contiguous shards: shard i is [bounds[i], bounds[i + 1]); `used`: the
+    shards that are not empty (fewer prompts than engines: those engines get no call)."""
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return bounds, [i for i in range(k) if bounds[i + 1] > bounds[i]]

@@ -171,8 +171,9 @@ class WeightSync:
         except ray.exceptions.RayError as e:
             raise TrainingError(f"weight sync ({self.transport}): {_describe(e)}") from None
 
-    def __call__(self) -> dict:
-        """Push the weights; a sync not done within the timeout stops naming the engine that did not answer.
+    def __call__(self, version: int | None = None) -> dict:
+        """Push the weights, policy `version` (training steps done; None: the engines count one more);
+        a sync not done within the timeout stops naming the engine that did not answer.
 
         An engine only takes part once it is idle (Ray runs an actor's calls one at a time), so a
         generate call still running counts against the timeout.
@@ -185,13 +186,13 @@ class WeightSync:
         senders = k if self.transport == "cuda_ipc" else 1
         sent = self.actor.async_call("send_weights", self.transport, self.buckets, senders)
         if self.transport in COLLECTIVE:  # the engines receive while the actor sends
-            got = [e.receive_weights.remote(self.buckets, self.transport, None) for e in self.engines]
+            got = [e.receive_weights.remote(self.buckets, self.transport, None, version) for e in self.engines]
             loads = self._wait(sent + got, lambda i: "the actor" if i < k else f"vLLM engine {i - k}", deadline)[k:]
         else:
             payloads = self._wait(sent, "the actor's weight gather", deadline)
             # "ray": rank 0's object refs; "cuda_ipc": {GPU: handles}, each worker finds its GPU's copy.
             payload = payloads[0] if self.transport == "ray" else dict(payloads)
-            got = [e.receive_weights.remote(self.buckets, self.transport, payload) for e in self.engines]
+            got = [e.receive_weights.remote(self.buckets, self.transport, payload, version) for e in self.engines]
             loads = self._wait(got, lambda i: f"vLLM engine {i}", deadline)
             if self.transport == "cuda_ipc":  # the engines have loaded: the shared buffers can go
                 self._wait(self.actor.async_call("release_sync_buffers"), "the actor", deadline)

@@ -107,7 +107,6 @@ def test_translations(args, expect, monkeypatch, tmp_path):
     (["--max_len", "64", "--prompt_max_len", "32", "--generate_max_len", "32"], "not all three"),
     (["--param_dtype", "fp16"], "use --param_dtype bf16"),
     (["--lora_rank", "8"], "LoRA is not supported yet (issue #9"),
-    (["--partial_rollout"], "partial rollouts (a weight sync while generation is in flight"),
     (["--async_train"], "--async_train overlaps the vLLM engines' generation with training: add --vllm_num_engines N"),
     (["--async_train", "--vllm_num_engines", "1", "--colocate_all_models", "--vllm_enable_sleep"],
      "neither side can sleep: drop --vllm_enable_sleep, or give the engines GPUs of their own"),
@@ -116,6 +115,17 @@ def test_translations(args, expect, monkeypatch, tmp_path):
 def test_refusals_say_what_to_use(args, expect, monkeypatch, tmp_path):
     code, out, a = _invoke("train_grpo", [*args, "--save_path", str(tmp_path)], monkeypatch)
     assert code == 2 and expect in out and out.startswith("error: "), out
+
+
+@pytest.mark.parametrize("name", ["train_ppo", "train_grpo"])
+def test_partial_rollout_needs_async_train(name, monkeypatch, tmp_path):
+    """--partial_rollout is a real option of both RL scripts; without --async_train it stops at once, in one line."""
+    code, out, a = _invoke(name, ["--partial_rollout", "--vllm_num_engines", "1", "--save_path", str(tmp_path)], monkeypatch)
+    assert code == 2 and out == ("error: --partial_rollout syncs weights into the generation that --async_train "
+                                 "overlaps with training: add --async_train or drop --partial_rollout\n"), out
+    code, out, a = _invoke(name, ["--partial_rollout", "--async_train", "--vllm_num_engines", "1",
+                                  "--partial_rollout_chunk", "16", "--save_path", str(tmp_path)], monkeypatch)
+    assert code == 0 and a["partial_rollout"] and a["partial_rollout_chunk"] == 16, out
 
 
 def test_wandb_key_goes_to_the_environment_only(monkeypatch, tmp_path):

@@ -80,3 +80,104 @@ def test_queue_never_runs_past_the_last_step():
     q.take(0)
     q.take(1)
     assert len(engine.calls) == 2 and not q.pending and q.settle() == {}
+
+
+# ---------------------------------------------------------------- --partial_rollout (common/partial_rollout.py)
+class CountingEngine:
+    """A stand-in for VllmEngine.generate: each token is the last one + 1, a multiple of 10 ends the
+    sample (eos); every sample is tagged with the version the engine holds, which the test moves."""
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def generate(self, prompt_ids, sampling, seed):
+        self.calls.append((len(prompt_ids), sampling["n"], sampling["max_new_tokens"], seed))
+        s = Samples([], [], [], [], [], extra={"engine_generate_s": 1.0}, versions=[])
+        for i, p in enumerate(prompt_ids):
+            for _ in range(sampling["n"]):
+                r = []
+                while len(r) < sampling["max_new_tokens"] and not (r and r[-1] % 10 == 0):
+                    r.append((r or p)[-1] + 1)
+                s.prompt_ids.append(p)
+                s.response_ids.append(r)
+                s.prompt_index.append(i)
+                s.truncated.append(r[-1] % 10 != 0)  # vLLM's finish_reason "length"
+                s.logprobs.append([-t / 100 for t in r])
+                s.versions.append(self.version)
+        return s
+
+
+def test_partial_chunks_continue_samples_and_tag_each_token_with_its_version():
+    from common.partial_rollout import CHUNK_SEED, generate_in_chunks
+
+    engine = CountingEngine()
+
+    def call(prompt_ids, sampling, seed):  # a weight sync after the first chunk
+        out = engine.generate(prompt_ids, sampling, seed)
+        engine.version = 1
+        return out
+
+    s = generate_in_chunks(call, [[3], [7], [15]], dict(n=2, max_new_tokens=5, temperature=1.0), seed=11, chunk=3)
+    assert s.response_ids == [[4, 5, 6, 7, 8]] * 2 + [[8, 9, 10]] * 2 + [[16, 17, 18, 19, 20]] * 2
+    assert s.prompt_ids == [[3]] * 2 + [[7]] * 2 + [[15]] * 2 and s.prompt_index == [0, 0, 1, 1, 2, 2]
+    assert s.token_versions == [[0, 0, 0, 1, 1]] * 2 + [[0, 0, 0]] * 2 + [[0, 0, 0, 1, 1]] * 2
+    assert s.versions == [0] * 6  # the oldest token's
+    assert s.truncated == [True, True, False, False, False, False]  # only the budget truncates
+    assert all(lp == [-t / 100 for t in r] for lp, r in zip(s.logprobs, s.response_ids))
+    # chunk 0: the prompts, n each; chunk 1: the 4 unfinished samples one by one, the room left, its own seed
+    assert engine.calls == [(3, 2, 3, 11), (4, 1, 2, 11 + CHUNK_SEED)]
+    assert s.extra == {"engine_generate_s": 2.0}
+    assert staleness(s.versions, 2, s.token_versions)["rollout/partial_frac"] == 4 / 6
+
+
+def test_partial_rollout_raises_a_shards_error_in_the_collecting_thread():
+    """A dead engine (here: the second chunk of shard 1 fails) ends the rollout with that error, raised
+    where the trainer collects it; the other shard completes and no driver thread is left behind."""
+    import threading
+
+    from common.errors import TrainingError
+    from common.partial_rollout import submit_chunked
+
+    engines = [CountingEngine(), CountingEngine()]
+
+    def call(engine, timeout_s):
+        def one(prompt_ids, sampling, seed):
+            if engine is engines[1] and engine.calls:
+                raise TrainingError("vLLM generate: the actor died")
+            return engine.generate(prompt_ids, sampling, seed)
+        return one
+
+    collect = submit_chunked(engines, [[1], [2], [3], [4]], dict(n=1, max_new_tokens=8), seed=0, chunk=2, call=call)
+    with pytest.raises(TrainingError, match="the actor died"):
+        collect()
+    for t in threading.enumerate():
+        if t.name.startswith("partial-rollout"):
+            t.join(timeout=5)
+            assert not t.is_alive()
+    assert len(engines[0].calls) == 4  # 4 chunks of 2 tokens: the budget of 8
+    ok = submit_chunked(engines, [[1], [2], [3], [4]], dict(n=1, max_new_tokens=8), seed=0, chunk=2,
+                        call=lambda e, t: engines[0].generate)()
+    assert ok.prompt_index == [0, 1, 2, 3] and ok.response_ids[0] == list(range(2, 10))
+
+
+def test_partial_rollout_threads_never_hold_a_stopping_run():
+    """A run that stops on another error (a sync timeout) while a chunk is still out ends at once with
+    its one message: the driver threads are daemons and print nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import ROOT
+
+    code = textwrap.dedent("""
+        import threading
+        from common.errors import UserError, exit_on_user_error
+        from common.partial_rollout import submit_chunked
+
+        hung = lambda engine, timeout_s: lambda *args: threading.Event().wait()  # a chunk that never returns
+        submit_chunked([object()], [[1]], dict(n=1, max_new_tokens=4), seed=0, chunk=2, call=hung)
+        with exit_on_user_error():
+            raise UserError("weight sync: vLLM engine 0 did not finish within 1 s")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr == "error: weight sync: vLLM engine 0 did not finish within 1 s\n", p.stderr

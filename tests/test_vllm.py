@@ -246,6 +246,76 @@ def test_sync_timeout_names_the_engine(rig):
     assert _engine(rig, rig.prompts, GREEDY).response_ids == rig.actor.call("generate", rig.prompts, GREEDY, 0)[0].response_ids
 
 
+def _hf_logprobs(path: str, samples) -> list[list[float]]:
+    """Each response token's log-prob under the model saved at `path`: a plain transformers forward of
+    one sample at a time (temperature 1, no top-p: what the engine's processed log-probs then are)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p, r in zip(samples.prompt_ids, samples.response_ids):
+            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)
+            out.append([logp[len(p) - 1 + t, tok].item() for t, tok in enumerate(r)])
+    return out
+
+
+def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, tmp_path):
+    """--partial_rollout at one engine: a rollout in chunks of 2 new tokens, with a sync of different
+    weights forced after the first chunk (by the shard's driver thread, before its next call). Tokens
+    of the first chunk carry version 0 and the later ones version 1, and the engine's log-prob of each
+    token is that of the weights that sampled it (a plain transformers forward of each version's
+    saved weights), not the other's. Without a sync in the middle, chunked rollouts repeat exactly."""
+    from common.partial_rollout import submit_chunked
+    from common.rollout import Samples, make_batch
+
+    old, new = str(tmp_path / "v0"), str(tmp_path / "v1")
+    rig.syncs["ray"](0)  # the engine holds the trainer's weights, as version 0
+    rig.actor.call("save_hf", old)
+    target = rig.tok.encode("fish fish fish fish", add_special_tokens=False) + [rig.tok.eos_token_id]
+    n = len(rig.prompts)
+    batch = make_batch(Samples(rig.prompts, [target] * n, list(range(n)), [False] * n), rig.tok.pad_token_id)
+    for _ in range(6):
+        rig.actor.call("train", batch, nll_loss, output="logprobs", micro_batch=8, steps=1)
+    rig.actor.call("save_hf", new)
+
+    calls = []
+
+    def call(engine, timeout_s):
+        def one(prompt_ids, sampling, seed):
+            out = _engine(rig, prompt_ids, sampling, seed)
+            if not calls:
+                rig.syncs["ray"](1)  # in a run this call queues in the engine behind the chunk
+            calls.append(len(prompt_ids))
+            return out
+        return one
+
+    sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, logprobs=True)
+    t0 = time.perf_counter()
+    s = submit_chunked([rig.engine], rig.prompts, sampling, seed=5, chunk=2, call=call)()
+    assert calls[0] == n and len(calls) > 1 and len(s) == 2 * n
+    assert all(tv == [0] * min(2, len(tv)) + [1] * max(0, len(tv) - 2) for tv in s.token_versions), s.token_versions
+    assert s.versions == [0] * len(s)
+    mixed = sum(len(tv) > 2 for tv in s.token_versions)
+    assert mixed >= n, s.response_ids  # most samples outlive the first chunk
+
+    engine_lp = [x for lp in s.logprobs for x in lp]
+    versions = [v for tv in s.token_versions for v in tv]
+    hf = {0: [x for lp in _hf_logprobs(old, s) for x in lp], 1: [x for lp in _hf_logprobs(new, s) for x in lp]}
+    own = [abs(e - hf[v][i]) for i, (e, v) in enumerate(zip(engine_lp, versions))]
+    other = [abs(e - hf[1 - v][i]) for i, (e, v) in enumerate(zip(engine_lp, versions)) if v == 1]
+    print(f"partial rollout: {len(s)} samples, {mixed} of two versions, {versions.count(1)} of {len(versions)} tokens "
+          f"after the sync; |engine - own weights| max {max(own):.1e}, |engine - old weights| on the new tokens mean "
+          f"{sum(other) / len(other):.2f}; {time.perf_counter() - t0:.1f} s")
+    assert max(own) < TOKEN_LOGPROB_TOL and sum(own) / len(own) < MEAN_LOGPROB_TOL
+    assert sum(other) / len(other) > 100 * MEAN_LOGPROB_TOL  # the comparison tells the two versions apart
+
+    again = [submit_chunked([rig.engine], rig.prompts, sampling, seed=5, chunk=2)() for _ in range(2)]
+    assert again[0].response_ids == again[1].response_ids and again[0].logprobs == again[1].logprobs
+    assert {v for tv in again[0].token_versions for v in tv} == {1}
+
+
 def test_cpu_binding_gives_each_worker_its_own_cores():
     from common.vllm_engine import cpu_binding
 
@@ -388,6 +458,25 @@ def test_async_queue_size_0_is_the_synchronous_loop(tmp_path, ray_head):
     assert all(r["rollout/staleness_max"] == 0 for r in b)
     assert [{k: r[k] for k in ra} for ra, r in zip(a, b)] == a
     print(f"PPO sync vs --async_queue_size 0: {time.perf_counter() - t0:.0f} s")
+
+
+def test_grpo_partial_rollout_runs_with_bounded_staleness(tmp_path, ray_head):
+    """--async_train --partial_rollout end to end (4 steps, chunks of 2 tokens): every sample's oldest
+    token is at most one version behind, rollout/partial_frac is logged, and the trainer never waits
+    for whole rollouts before a sync. Where a sync lands depends on timing here; the engine-level test
+    above forces one mid-rollout."""
+    out = str(tmp_path / "run")
+    t0 = time.perf_counter()
+    script("train_grpo.py", "--save_path", out, "--async_train", "--partial_rollout", "--partial_rollout_chunk", "2",
+           "--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "4", "--eval_steps", "-1",
+           "--enable_vllm_is_correction")
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["rollout/staleness_max"] == 0 and all(r["rollout/staleness_max"] <= 1 for r in rows), rows
+    assert all(0 <= r["rollout/partial_frac"] <= 1 for r in rows)
+    assert not any("time/engine_wait_s" in r for r in rows)
+    print(f"GRPO --partial_rollout: {time.perf_counter() - t0:.0f} s, partial_frac "
+          f"{[r['rollout/partial_frac'] for r in rows]}, staleness {[r['rollout/staleness_mean'] for r in rows]}")
 
 
 def test_grpo_async_reward_rises_with_bounded_staleness_and_resumes_exactly(tmp_path, ray_head):
