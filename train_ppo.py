@@ -111,6 +111,7 @@ def main(
     share_prompt_prefix: o.SharePromptPrefix = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
+    adam_offload_ratio: o.AdamOffloadRatio = 1.0,
     ref_reward_offload: o.RefRewardOffload = False,
     deepspeed_enable_sleep: o.DeepSpeedSleep = False,
     actor_num_nodes: o.ActorNodes = 1,

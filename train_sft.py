@@ -77,6 +77,7 @@ def main(
     packing_samples: o.PackingSamples = False,
     zero_stage: o.ZeroStage = 2,
     adam_offload: o.AdamOffload = False,
+    adam_offload_ratio: o.AdamOffloadRatio = 1.0,
     local_rank: o.LocalRank = -1,
     save_path: o.SavePath = "./output/sft",
     save_steps: o.SaveSteps = -1,
@@ -139,6 +140,7 @@ def train(a: o.Options) -> None:
     attn, attn_note = attn_implementation(a.flash_attn)
     flash = attn == "flash_attention_2"
     settings = ds.DSSettings(zero_stage=a.zero_stage, bf16=dtype == torch.bfloat16, adam_offload=a.adam_offload,
+                             adam_offload_ratio=a.adam_offload_ratio,
                              gradient_checkpointing=a.gradient_checkpointing, max_norm=a.max_norm,
                              micro_train_batch_size=a.micro_train_batch_size, train_batch_size=a.train_batch_size,
                              autocast=a.torch_autocast, compile=a.torch_compile, **orl.ds_keys(a))

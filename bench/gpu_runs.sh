@@ -268,10 +268,9 @@ i19gap)  # where logprob_diff comes from (3B), then equal work at 3B: ours with 
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   ;;
 i19ref7)  # the reference command's flags on one GPU at 7B, with --adam_offload (half the optimizer's sub-groups in
-  # CPU memory: HYBRIDRL_ADAM_OFFLOAD_RATIO; all of them do not fit a 125 GiB host) and micro-batches of 16
+  # CPU memory: --adam_offload_ratio; all of them do not fit a 125 GiB host) and micro-batches of 16
   LOGS=0 LIMIT=${LIMIT7:-480} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 --steps 5 \
-    --ours_env "HYBRIDRL_ADAM_OFFLOAD_RATIO=${RATIO:-0.5}" \
-    --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --micro_rollout_batch_size 16"
+    --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
   grep -h "memory plan" -A6 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_plan.txt" 2>/dev/null
   tail -c 3000 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_log_tail.txt" 2>/dev/null
   free -g | tee -a "$OUT/summary.txt"

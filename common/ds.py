@@ -13,7 +13,6 @@ import torch
 
 from common.dist import DistInfo, free_port, quiet_libraries, setup_distributed  # noqa: F401 (ds.setup_distributed)
 from common.errors import UserError
-from common.memory_estimate import adam_offload_ratio
 from common.updates import SkipNonfinite
 
 
@@ -24,6 +23,7 @@ class DSSettings:
     zero_stage: int = 2
     bf16: bool = False
     adam_offload: bool = False
+    adam_offload_ratio: float = 1.0  # --adam_offload_ratio: ZeRO-3's partial offload (common.memory_estimate)
     gradient_checkpointing: bool = False
     max_norm: float = 1.0
     micro_train_batch_size: int = 1
@@ -81,9 +81,8 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
     zero: dict = {"stage": s.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if s.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        ratio = adam_offload_ratio()  # HYBRIDRL_ADAM_OFFLOAD_RATIO (common.memory_estimate says why)
-        if ratio < 1.0 and s.zero_stage == 3:  # ZeRO-3's partial offload: the other sub-groups step on the GPU
-            zero["offload_optimizer"]["ratio"] = ratio
+        if s.adam_offload_ratio < 1.0 and s.zero_stage == 3:  # partial offload: the other sub-groups step on the GPU
+            zero["offload_optimizer"]["ratio"] = s.adam_offload_ratio
     cfg = {
         "train_micro_batch_size_per_gpu": s.micro_train_batch_size,
         "gradient_accumulation_steps": grad_accumulation(s, world_size),

@@ -24,7 +24,6 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from common.errors import UserError
 
 GiB = 2**30
 CONTEXT = int(0.75 * GiB)  # CUDA context, cuBLAS workspace, NCCL buffers of one torch process
@@ -32,24 +31,6 @@ SLACK = 0.08               # caching allocator: reserved over allocated at the p
 VLLM_ASLEEP = 2 * GiB      # left of a sleeping engine: 0.6-2.6 GiB measured (docs/gpu-figures.md)
 BUCKET = 500_000_000       # DeepSpeed's default reduce_bucket_size, elements
 PHASES = ("generate", "logprobs", "train", "sync")
-
-
-def adam_offload_ratio() -> float:
-    """The share of the optimizer's ZeRO-3 sub-groups that --adam_offload puts in CPU memory (1: all).
-
-    HYBRIDRL_ADAM_OFFLOAD_RATIO (no OpenRLHF flag has it), because for a 7B model ZeRO-3's CPU side
-    (fp32 master 4N, moments 8N, fp32 gradients 4N, the bf16 gradient partition 2N: ~137 GB) does not
-    fit a 128 GiB host, while half of the sub-groups there and half on the GPU fit both
-    (docs/performance.md); common.ds puts it in DeepSpeed's config."""
-    raw = os.environ.get("HYBRIDRL_ADAM_OFFLOAD_RATIO", "1")
-    try:
-        ratio = float(raw)
-    except ValueError:
-        ratio = -1.0
-    if not 0.0 < ratio <= 1.0:
-        raise UserError(f"HYBRIDRL_ADAM_OFFLOAD_RATIO={raw}: give a number in (0, 1], the share of the optimizer "
-                        "states --adam_offload keeps in CPU memory under --zero_stage 3")
-    return ratio
 
 
 class _NoPlan(Exception):

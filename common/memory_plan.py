@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from common.errors import UserError
-from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, adam_offload_ratio, plan_memory, read_shape
+from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, plan_memory, read_shape
 from common.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
 
@@ -55,7 +55,7 @@ def _job(a: dict, script: str, plan, world: int) -> Job:
                vllm_group=plan.vllm_group, vllm_gpus=engines * plan.vllm_tp, vllm_util=a["vllm_gpu_memory_utilization"],
                vllm_sleep=bool(a.get("vllm_enable_sleep")), vllm_weights=actor.params * (2 if bf16 else actor.dtype_bytes) // plan.vllm_tp,
                sync_bucket=int(a.get("vllm_sync_bucket_mb", 256) * 2**20), phases=PHASES if engines else PHASES[:3],
-               offload_ratio=adam_offload_ratio() if a["adam_offload"] else 1.0, **flags)
+               offload_ratio=a.get("adam_offload_ratio", 1.0) if a["adam_offload"] else 1.0, **flags)
 
 
 def from_options(a: dict, script: str, plan=None, world_size: int = 1, gpu_bytes: int | None = None,

@@ -91,6 +91,7 @@ SkipNonfiniteUpdates = Annotated[bool, flag("skip_nonfinite_updates", "Skip an o
 # --- DeepSpeed ---------------------------------------------------------------------------------
 ZeroStage = Annotated[int, opt("zero_stage", "DeepSpeed ZeRO stage 0-3.", DS)]
 AdamOffload = Annotated[bool, flag("adam_offload", "Keep Adam states in CPU memory (DeepSpeedCPUAdam).", DS)]
+AdamOffloadRatio = Annotated[float, opt("adam_offload_ratio", "With --adam_offload under --zero_stage 3: the share of the optimizer's sub-groups kept in CPU memory (DeepSpeed's offload_optimizer.ratio); the rest step on the GPU. 1 = all, as OpenRLHF's --adam_offload (it has no such flag). A 7B model's full offload needs ~137 GB of host memory; 0.5 ran on one H200 with a 125 GiB host (docs/performance.md).", DS, min=0.0, max=1.0)]
 LocalRank = Annotated[int, typer.Option("--local_rank", hidden=True, help="Set by the deepspeed launcher.")]
 DeepSpeedSleep = Annotated[bool, flag("deepspeed_enable_sleep", "Offload DeepSpeed states between phases (hybrid engine).", DS)]
 RefOffload = Annotated[bool, flag("ref_offload", "Keep the reference model's weights in CPU memory: ZeRO-3 streams them to the GPU layer by layer, other stages copy the model over for each of its forward passes.", DS)]
@@ -203,7 +204,7 @@ VllmSleepLevel = Annotated[int, opt("vllm_sleep_level", "vLLM sleep level: 1 kee
 
 
 def check_precision(a: dict) -> None:
-    """The DeepSpeed precision and compile flags that cannot go together (a script's parsed options)."""
+    """The DeepSpeed precision, compile and offload flags that cannot go together (a script's parsed options)."""
     from common.errors import require
 
     require(a["bf16"] or not a["torch_autocast"], "--torch_autocast is a way to run --bf16: add --bf16 or drop it")
@@ -212,6 +213,10 @@ def check_precision(a: dict) -> None:
             "supported yet: drop one of them")
     require(not (a["torch_compile"] and a["zero_stage"] == 3), "--torch_compile: ZeRO-3 gathers each layer's weights "
             "inside the compiled blocks; use --zero_stage 0, 1 or 2, or drop --torch_compile")
+    ratio = a.get("adam_offload_ratio", 1.0)
+    require(ratio > 0, "--adam_offload_ratio 0 keeps no optimizer state in CPU memory: drop --adam_offload instead")
+    require(ratio == 1.0 or (a["adam_offload"] and a["zero_stage"] == 3), f"--adam_offload_ratio {ratio:g} is "
+            "DeepSpeed's partial offload, which only ZeRO-3 has: add --adam_offload --zero_stage 3 or drop it")
 
 
 class Options(Mapping):

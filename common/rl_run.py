@@ -54,6 +54,7 @@ class RLRun:
             if a["vllm_num_engines"] else None
         self.settings = ds.DSSettings(
             zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
+            adam_offload_ratio=a["adam_offload_ratio"],
             gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
             micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
             fused_adam=a["deepspeed_enable_sleep"], autocast=a["torch_autocast"], compile=a["torch_compile"],

@@ -189,26 +189,36 @@ def test_too_little_for_vllm_is_refused(tmp_path):
         mp.check_memory(mp.from_options(_grpo(path, vllm_gpu_memory_utilization=0.1), "grpo", _plan(8, 8), gpu_bytes=80 * GiB))
 
 
-def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path, monkeypatch):
-    """HYBRIDRL_ADAM_OFFLOAD_RATIO: ZeRO-3's partial offload in DeepSpeed's config and in the plan, which
-    keeps the GPU's sub-groups (master, moments, fp32 gradients) there through DeepSpeed's sleep too."""
+def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path):
+    """--adam_offload_ratio: ZeRO-3's partial offload in DeepSpeed's config and in the plan, which keeps
+    the GPU's sub-groups (master, moments, fp32 gradients) there through DeepSpeed's sleep too."""
     from common import ds
 
     path = _shape_dir(tmp_path, "7b", {})
     flags = dict(zero_stage=3, adam_offload=True, deepspeed_enable_sleep=True, vllm_enable_sleep=True)
     full = {p.process: p for p in mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB).processes}
-    monkeypatch.setenv("HYBRIDRL_ADAM_OFFLOAD_RATIO", "0.5")
-    half = {p.process: p for p in mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB).processes}
+    half = {p.process: p for p in mp.from_options(_grpo(path, **flags, adam_offload_ratio=0.5), "grpo", _plan(),
+                                                  gpu_bytes=140 * GiB).processes}
     n = half["actor"].breakdown["weights"] / 2  # bf16 weights: 2 bytes a parameter
     assert half["actor"].breakdown["moments"] == pytest.approx(0.5 * 8 * n, rel=0.01)
     assert half["actor"].allocated["generate"] >= 0.5 * 16 * n > full["actor"].allocated["generate"]
-    cfg = ds.train_config(ds.DSSettings(zero_stage=3, adam_offload=True), 1, torch_float32())
+    cfg = ds.train_config(ds.DSSettings(zero_stage=3, adam_offload=True, adam_offload_ratio=0.5), 1, torch_float32())
     assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
-    assert "ratio" not in ds.train_config(ds.DSSettings(zero_stage=2, adam_offload=True), 1, torch_float32())["zero_optimization"]["offload_optimizer"]
-    for bad in ("0", "1.5", "half"):
-        monkeypatch.setenv("HYBRIDRL_ADAM_OFFLOAD_RATIO", bad)
-        with pytest.raises(UserError, match="HYBRIDRL_ADAM_OFFLOAD_RATIO"):
-            mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB)
+    cfg = ds.train_config(ds.DSSettings(zero_stage=3, adam_offload=True), 1, torch_float32())
+    assert "ratio" not in cfg["zero_optimization"]["offload_optimizer"]
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--adam_offload_ratio", "0.5"], "only ZeRO-3 has: add --adam_offload --zero_stage 3"),
+    (["--adam_offload_ratio", "0.5", "--adam_offload", "--zero_stage", "2"], "only ZeRO-3 has"),
+    (["--adam_offload_ratio", "0", "--adam_offload", "--zero_stage", "3"], "drop --adam_offload instead"),
+    (["--adam_offload_ratio", "1.5"], "--adam_offload_ratio': Input should be less than or equal to 1"),
+])
+def test_partial_offload_flag_is_refused_where_deepspeed_has_none(flags, expect, tmp_path):
+    p = subprocess.run([PY, os.path.join(ROOT, "train_sft.py"), "--save_path", str(tmp_path / "o"), *flags],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and expect in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
 
 
 def test_expandable_segments_only_where_asked_and_on_a_gpu(monkeypatch):
