@@ -14,6 +14,10 @@ import os
 import sys
 
 SPINS = "1000"
+# Set by an --async_train run on CPU before Ray starts (Ray passes it on to every worker): the trainer's
+# workers and the vLLM engines then take separate halves of the node's cores, so that the engines'
+# OpenMP threads, which spin while they wait, do not take the core a training step needs meanwhile.
+SPLIT = "HYBRIDRL_SPLIT_CORES"
 
 
 def configure() -> None:
@@ -35,3 +39,28 @@ def describe() -> str:
     waits = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
              if k in os.environ]
     return f"{threads} torch threads on {cpus} CPUs; OpenMP: {', '.join(waits) or 'defaults'}"
+
+
+def pin(side: str) -> list[int] | None:
+    """With SPLIT set, keep this process on its side's cores ("trainer": the lower half of the node's
+    cores, "engine": the upper half, one at least each) and return them; else None (also on one core)."""
+    if os.environ.get(SPLIT) != "1" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    cores = cores[:len(cores) // 2] if side == "trainer" else cores[len(cores) // 2:]
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
+def split_note(actor, engines: list) -> list[str]:
+    """The banner's line of the cores each side holds, as its processes report them (SPLIT runs only)."""
+    if os.environ.get(SPLIT) != "1" or not engines:
+        return []
+    from common.ray_groups import get
+
+    trainer = get(actor.async_call("cores"), 60, "cores")
+    engine = get([e.cores.remote() for e in engines], 60, "cores")
+    mine = lambda lists: ",".join(str(c) for c in sorted({c for cs in lists for c in cs}))  # noqa: E731
+    return [f"--async_train on CPU: the trainer's workers on cores {mine(trainer)}, the vLLM engines on cores {mine(engine)}"]

@@ -17,6 +17,7 @@ import re
 import socket
 import time
 
+from common import cpu_threads
 from common.errors import TrainingError, UserError
 from common.resources import Plan, RolePlan, check_fits
 
@@ -27,7 +28,7 @@ from common.resources import Plan, RolePlan, check_fits
 _WORKER_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_HOME",
                "HYBRIDRL_CACHE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT",
                "PYTHONPATH", "VLLM_USE_V2_MODEL_RUNNER", "TORCHINDUCTOR_COMPILE_THREADS", "HYBRIDRL_VLLM_WARMUP",
-               "TRITON_CACHE_DIR", "HYBRIDRL_EXPANDABLE_SEGMENTS")
+               "TRITON_CACHE_DIR", "HYBRIDRL_EXPANDABLE_SEGMENTS", "HYBRIDRL_SPLIT_CORES")
 
 
 def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Plan | None = None,
@@ -180,6 +181,7 @@ class BaseWorker:
             # Several CPU workers share a few cores: one thread each avoids oversubscription stalls.
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
+            cpu_threads.pin("trainer")
 
     def node_address(self) -> tuple[str, int]:
         """(IP, port) of the rendezvous; rank 0's answer is handed to the other ranks."""
@@ -187,6 +189,9 @@ class BaseWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def cores(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
 
     def placement(self) -> tuple[str, list[str]]:
         """(Ray node id, ids of the GPUs Ray gave this worker): where a colocated vLLM engine's

@@ -11,7 +11,7 @@ import math
 import os
 import random
 
-from common import memory_plan
+from common import cpu_threads, memory_plan
 from common.errors import require
 
 
@@ -62,6 +62,8 @@ class RLRun:
         for role in ("actor", "critic"):  # refused here, not after the models have loaded
             if role in self.roles:
                 ds.grad_accumulation(self.settings, self.roles[role].workers)
+        if a["async_train"] and not plan.use_gpu and plan.vllm_group != self.roles["actor"].group:
+            os.environ[cpu_threads.SPLIT] = "1"  # before Ray: each worker then pins itself (common.cpu_threads)
         # the layout against the cluster and the flags a CPU run refuses (the sleep flags): one message for all
         resources = init_ray(num_cpus=max(os.cpu_count() or 1, int(plan.total().get("CPU", 0)) + 2), plan=plan,
                              drop=cpu_refused(a, plan.use_gpu))
@@ -163,6 +165,8 @@ class RLRun:
         for note in derived:
             log.info(f"default: {note}")
         gen_note = generation_note(plan.use_gpu, a["vllm_num_engines"], a["static_kv_cache"], a["zero_stage"])
+        for line in cpu_threads.split_note(self.actor, self.engines):
+            log.info(line)
         notes = notes + [n for n in [positions_note(self.pretrain, self.longest_prompt, a["generate_max_len"])] if n]
         for note in [m for info in infos for m in info[0]["notes"]] + ([gen_note] if gen_note else []) + notes:
             log.warn_once(note, note)

@@ -19,7 +19,7 @@ import pickle
 import time
 from dataclasses import dataclass
 
-from common import engine_clock
+from common import cpu_threads, engine_clock
 from common.errors import UserError
 
 
@@ -89,8 +89,9 @@ class VllmEngine:
         tp = spec.tensor_parallel_size
         if visible_devices:  # set before anything in this process starts CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
-        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # read only by vLLM-CPU
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
+        cores = cpu_threads.pin("engine")  # --async_train on CPU: cores the trainer does not use
+        if (tp > 1 or cores) and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # read only by vLLM-CPU
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cores or sorted(os.sched_getaffinity(0)), tp)
         logging.getLogger("vllm").setLevel(logging.WARNING)
         from vllm import LLM
 
@@ -133,6 +134,9 @@ class VllmEngine:
 
     def ready(self) -> int:
         return self.index
+
+    def cores(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict, seed: int):
         """n samples per prompt, token ids in and out, with each sampled token's log-prob."""

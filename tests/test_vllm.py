@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -488,8 +489,13 @@ def test_grpo_async_reward_rises_with_bounded_staleness_and_resumes_exactly(tmp_
     flags = ["--async_train", "--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "10", "--save_steps", "5",
              "--eval_steps", "-1", "--enable_vllm_is_correction"]
     t0 = time.perf_counter()
-    script("train_grpo.py", "--save_path", full, *flags)
+    p = script("train_grpo.py", "--save_path", full, *flags)
     took = time.perf_counter() - t0
+    # the engine and the trainer's workers on cores of their own, as each process reports its affinity
+    m = re.search(r"the trainer's workers on cores ([\d,]+), the vLLM engines on cores ([\d,]+)", p.stdout + p.stderr)
+    assert m, (p.stdout + p.stderr)[-3000:]
+    trainer, engine = ({int(c) for c in g.split(",")} for g in m.groups())
+    assert trainer and engine and not trainer & engine and trainer | engine <= os.sched_getaffinity(0), m.group(0)
     rows = metrics(full)
     assert [r["step"] for r in rows] == list(range(1, 11))
     lags = [r["rollout/staleness_max"] for r in rows]
