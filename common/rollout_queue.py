@@ -79,10 +79,12 @@ class RolloutQueue:
     def take(self, step: int) -> Rollout:
         """Rollout `step` for the trainer, which (as the engines) holds version `step`; the later
         rollouts that version generates are submitted first, so they overlap this step's training."""
+        # the wait counts the submissions too: with depth 0 this rollout's engines start inside _fill,
+        # and their own clock (time/engine_generate_s) must not exceed the trainer's
+        t0 = time.perf_counter()
         self._fill(step)
         r = self.pending.popleft()
         assert r.index == step, f"rollout {r.index} taken at step {step}"
-        t0 = time.perf_counter()
         self._collect(r)
         r.wait_s += time.perf_counter() - t0
         return r
