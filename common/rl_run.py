@@ -130,7 +130,8 @@ class RLRun:
         infos = [get(p, 1800, "model setup") for p in pending]
         if self.engines:
             self.sync = WeightSync(self.actor, self.engines, transport=self.transport, bucket_mb=a["vllm_sync_bucket_mb"],
-                                   timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"])
+                                   timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"],
+                                   overlap_load=a["async_train"])
         self.trained = [self.groups[r] for r in ("actor", "critic") if r in self.groups]
 
         state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {g.role: 0 for g in self.trained}}
@@ -292,6 +293,8 @@ class RLRun:
         """Save the policy (and {role: folder} of `extra_saves`) unless stopped early; close everything."""
         import ray
 
+        if self.sync:  # a deferred load's failure is still the run's (--async_train)
+            self.sync.wait_loaded()
         if not stopped:
             self.actor.call("save_hf", self.a["save_path"])
             self.log.info(f"policy saved to {self.a['save_path']}")

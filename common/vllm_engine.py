@@ -97,6 +97,7 @@ class VllmEngine:
 
         self.index, self.spec = index, spec
         self.version = 0  # the policy version of the weights held, set by each sync; tags the samples
+        self.load_error = None
         self.llm = LLM(model=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len,
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
@@ -145,6 +146,8 @@ class VllmEngine:
 
         from common.rollout import Samples
 
+        if self.load_error:  # a deferred weight load failed (common.weight_sync): never sample from half-loaded weights
+            raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
         n = sampling["n"]
         greedy = sampling.get("greedy", False)
         # The sampled tokens' log-probs cost a quarter of the decode time of a 0.5B model on an H200
@@ -201,7 +204,12 @@ class VllmEngine:
             # vLLM's own encoding to its engine-core process turns dataclasses into dicts and tensors
             # into lists: pickle (tensors, IPC handles and all) once instead.
             args = (pickle.dumps(args),)
-        self.llm.collective_rpc("hybridrl_receive", args=args)
+        try:
+            self.llm.collective_rpc("hybridrl_receive", args=args)
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            raise
+        self.load_error = None  # a complete load replaces every weight a failed one may have left
         self.llm.reset_prefix_cache()
         self.version = self.version + 1 if version is None else version
         return time.perf_counter() - t0

@@ -138,10 +138,16 @@ def open_shared(handle):
 class WeightSync:
     """Connects the actor group to the engines once; each call pushes the current weights."""
 
-    def __init__(self, actor_group, engines: list, *, transport: str, bucket_mb: float, timeout_s: float, tp: int = 1):
+    def __init__(self, actor_group, engines: list, *, transport: str, bucket_mb: float, timeout_s: float, tp: int = 1,
+                 overlap_load: bool = False):
         from common.ray_groups import get
 
         self.actor, self.engines, self.transport, self.timeout_s = actor_group, engines, transport, timeout_s
+        # --async_train over a broadcast: return once the actor has sent; the engines load while the trainer
+        # goes on (their next generate runs after the load: an actor's calls run in order), and the
+        # next sync first waits for this one's loads (a failed load also stops the engine's next generate)
+        self.overlap_load = overlap_load and transport in COLLECTIVE
+        self.loading: list = []
         if transport == "cuda_ipc" and len(engines) * tp > len(actor_group):
             raise UserError(f"--vllm_sync_backend cuda_ipc: {len(engines)} engines x TP {tp} share the GPUs of "
                             f"{len(actor_group)} actor ranks, one engine worker per actor GPU at most; use nccl or "
@@ -180,6 +186,7 @@ class WeightSync:
         """
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
+        out = self.wait_loaded(deadline)
         k = len(self.actor)
         # Every rank takes part (ZeRO-3 gathers); with CUDA IPC every rank shares a copy on its GPU,
         # for the engine worker on that GPU.
@@ -187,6 +194,10 @@ class WeightSync:
         sent = self.actor.async_call("send_weights", self.transport, self.buckets, senders)
         if self.transport in COLLECTIVE:  # the engines receive while the actor sends
             got = [e.receive_weights.remote(self.buckets, self.transport, None, version) for e in self.engines]
+            if self.overlap_load:
+                self._wait(sent, "the actor", deadline)
+                self.loading = got
+                return {**out, "time/weight_sync_s": time.perf_counter() - t0, "sync/buckets": len(self.buckets)}
             loads = self._wait(sent + got, lambda i: "the actor" if i < k else f"vLLM engine {i - k}", deadline)[k:]
         else:
             payloads = self._wait(sent, "the actor's weight gather", deadline)
@@ -198,3 +209,12 @@ class WeightSync:
                 self._wait(self.actor.async_call("release_sync_buffers"), "the actor", deadline)
         return {"time/weight_sync_s": time.perf_counter() - t0, "time/weight_load_s": max(loads),
                 "sync/buckets": len(self.buckets)}
+
+    def wait_loaded(self, deadline: float | None = None) -> dict:
+        """With `overlap_load`: wait for the last sync's loads; {"time/weight_load_s": the slowest engine's
+        seconds} ({} when none was pending). The load is reported by the sync after the one that sent it."""
+        if not self.loading:
+            return {}
+        got, self.loading = self.loading, []
+        loads = self._wait(got, lambda i: f"vLLM engine {i}", deadline or time.perf_counter() + self.timeout_s)
+        return {"time/weight_load_s": max(loads)}

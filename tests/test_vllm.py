@@ -204,6 +204,45 @@ def test_engine_follows_the_trainer_after_sync(rig, transport, answer):
     assert stale_gap > 100 * MEAN_LOGPROB_TOL  # the comparison can tell old weights from new ones
 
 
+def test_async_sync_returns_before_the_load_and_a_failed_load_stops_generation(rig):
+    """--async_train's broadcast sync (overlap_load): the call returns once the actor has sent, the
+    engine's next generate still samples from the new weights (its calls run in order), the next sync
+    reports the load; a load that fails makes the engine refuse to sample until a complete load."""
+    import torch
+
+    from common.rollout import Samples, make_batch
+
+    sync = rig.syncs["gloo"]
+    prompts = rig.prompts
+    target = rig.tok.encode("bird bird", add_special_tokens=False) + [rig.tok.eos_token_id]
+    batch = make_batch(Samples(prompts, [target] * len(prompts), list(range(len(prompts))), [False] * len(prompts)),
+                       rig.tok.pad_token_id)
+    for _ in range(6):
+        rig.actor.call("train", batch, nll_loss, output="logprobs", micro_batch=8, steps=1)
+    hf_after = rig.actor.call("generate", prompts, GREEDY, 0)[0]
+    assert _engine(rig, prompts, GREEDY).response_ids != hf_after.response_ids  # not synced yet
+    sync.overlap_load = True
+    try:
+        m = sync(7)
+        assert "time/weight_load_s" not in m and sync.loading, m  # the engine loads after the call returned
+        assert _engine(rig, prompts, GREEDY).response_ids == hf_after.response_ids
+        assert ray.get(rig.engine.generate.remote(prompts, dict(GREEDY, n=2), 0)).versions == [7] * 2 * len(prompts)
+        assert sync.wait_loaded()["time/weight_load_s"] > 0 and not sync.loading
+
+        # buckets of the wrong size: the load fails in the engine, whose next generate then refuses
+        bogus = [ray.put(torch.zeros(3)) for _ in sync.buckets]
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(rig.engine.receive_weights.remote(sync.buckets, "ray", bogus, 8), timeout=120)
+        with pytest.raises(ray.exceptions.RayTaskError, match="vLLM engine 0: the last weight load failed"):
+            _engine(rig, prompts, GREEDY)
+        sync(9)
+        assert sync.wait_loaded()["time/weight_load_s"] > 0
+        assert _engine(rig, prompts, GREEDY).response_ids == hf_after.response_ids
+    finally:
+        sync.overlap_load = False
+        sync.wait_loaded()
+
+
 def test_generate_balanced_keeps_prompt_order_with_more_engines_than_prompts(rig):
     """4 shards of 2 prompts: shards 0 and 3 are empty; each sample must still name its own prompt."""
     from common.vllm_engine import generate_balanced
