@@ -5,6 +5,8 @@ logits' dtype; the gradient comes back in the logits' dtype.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 # A [B, T, V] fp32 copy of the logits is ~10 GB for B*T = 16k tokens and a 150k vocabulary, so
@@ -153,3 +155,95 @@ def token_entropy(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tenso
     """Entropy of softmax(logits) per position. logits: [B, T, V] -> [B, T] fp32, differentiable."""
     labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
     return token_stats(logits, labels, 1.0, True, chunk_tokens)[1]
+
+
+# ---------------------------------------------------------------- from the last hidden state
+# The [B, T, V] logits themselves are the largest tensor of a small model's training step (5.6 GB in
+# bf16 for 64 rows of ~290 tokens and Qwen2.5's 152k vocabulary, twice with their gradient). Taken
+# from the last hidden state instead, the head's matmul runs over chunks of `chunk_tokens` positions
+# and backward recomputes each chunk's logits: [chunk, V] at a time, for one more head matmul.
+class _HeadStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, entropy, dtype):
+        N = hidden.shape[0]
+        w = weight.to(dtype)
+        acc = torch.promote_types(dtype, torch.float32)
+        lse, lp = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(2))
+        ent = torch.empty_like(lse) if entropy else None
+        for s in range(0, N, chunk_tokens):
+            e = min(s + chunk_tokens, N)
+            z = hidden[s:e].to(dtype) @ w.T
+            out = _fused("stats", _stats, z, labels[s:e], temperature, entropy) if z.is_cuda else None
+            lse[s:e], lp[s:e], part = out if out is not None else _stats(z, labels[s:e], temperature, entropy)
+            if entropy:
+                ent[s:e] = part
+        ctx.save_for_backward(hidden, weight, labels, lse, *([ent] if entropy else []))
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.mark_non_differentiable(lse)
+        return lse, lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _g_lse, g_lp, g_ent):
+        hidden, weight, labels, lse, *ent = ctx.saved_tensors
+        ent = ent[0] if ent else None
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
+        g_ent = None if g_ent is None or ent is None else g_ent.to(lse.dtype)
+        w = weight.to(ctx.dtype)
+        dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # the head's gradient summed in fp32 (fp64 weights: fp64) over the chunks, cast once
+        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, hidden.shape[0])
+            h = hidden[s:e].to(ctx.dtype)
+            z = h @ w.T
+            args = (z, labels[s:e], lse[s:e], None if ent is None else ent[s:e], g_lp[s:e],
+                    None if g_ent is None else g_ent[s:e], ctx.temperature)
+            d = _fused("grad", _grad, *args) if z.is_cuda else None
+            d = _grad(*args) if d is None else d  # [c, V] in the compute dtype
+            if dh is not None:
+                dh[s:e] = d @ w
+            if dw is not None:
+                dw += (d.T @ h).to(dw.dtype)
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
+
+
+def head_token_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                     entropy: bool = False, chunk_tokens: int = 4096, dtype: torch.dtype | None = None):
+    """`token_stats` of the logits hidden @ weight.T without holding them: (log p(label), entropy or None).
+
+    hidden: [..., H] (the model's last hidden state), weight: [V, H] (a bias-free head), labels: [...]
+    valid ids. The head's matmul runs in `dtype` (default: the weight's; bf16 under autocast). Returns
+    [...] fp32, differentiable in hidden and weight."""
+    shape = labels.shape
+    _, lp, ent = _HeadStats.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).long(),
+                                  float(temperature), int(chunk_tokens), bool(entropy), dtype or weight.dtype)
+    return lp.view(shape), None if ent is None else ent.view(shape)
+
+
+@contextmanager
+def head_stats(head: torch.nn.Module, labels: torch.Tensor, temperature: float, entropy: bool, chunk_tokens: int,
+               dtype: torch.dtype | None):
+    """Within it, the model's output head (a bias-free nn.Linear) returns [B, T, 2] (log p(label),
+    entropy) or [B, T, 1] instead of the [B, T, V] logits: the model's forward runs as it is (its
+    framework's hooks included) and only the head's output changes. labels: [B, T]."""
+    def forward(hidden):
+        lp, ent = head_token_stats(hidden, head.weight, labels, temperature, entropy, chunk_tokens, dtype)
+        return torch.stack([lp, ent], -1) if entropy else lp.unsqueeze(-1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def chunked_head(model, chunk_tokens: int, zero_stage: int, autocast_bf16: bool):
+    """(head, chunk_tokens, compute dtype) for `head_stats` when a causal LM's log-probs can come from its
+    last hidden state, else None: a bias-free linear head, outside ZeRO-3 (whose partitioned weight only
+    the head's own hooks gather, for its own forward). Under DeepSpeed's torch_autocast, which covers
+    its own forward only, the head's matmul runs in bf16 as it would there."""
+    head = model.get_output_embeddings()
+    if not chunk_tokens or zero_stage == 3 or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    return head, chunk_tokens, torch.bfloat16 if autocast_bf16 else None

@@ -13,7 +13,8 @@ element size; the formulas, their sources and what is measured: docs/performance
   repeats K, V to q wide, 5q, and the mask is b*s^2 bytes); --gradient_checkpointing keeps each layer's
   input and one recomputed layer.
 - logits: tokens x vocab in the compute dtype, twice in training (kept, and their gradient): the fused
-  log-probs hold no fp32 copy (common/logprobs.py).
+  log-probs hold no fp32 copy (common/logprobs.py); the RL workers on a GPU (ZeRO 0-2) make them from
+  the hidden state 4096 positions at a time, twice that chunk in training with the head's fp32 gradient.
 - vLLM: --vllm_gpu_memory_utilization of the whole GPU, VLLM_ASLEEP asleep, + its weights at sync.
 - each torch process: CONTEXT, and SLACK over its allocated peak; the caching allocator keeps what a
   process freed until empty_cache (DeepSpeed sleep, the offloaded reference's visits).
@@ -90,6 +91,7 @@ class Job:
     vllm_weights: int = 0        # bytes per engine worker (weights / TP)
     sync_bucket: int = 0         # bytes of one weight-sync bucket
     offload_ratio: float = 1.0   # --adam_offload under ZeRO-3: the share of optimizer sub-groups in CPU memory
+    head_chunk: int = 0          # RL workers on a GPU, ZeRO 0-2: the head's logits made this many positions at a time
     phases: tuple[str, ...] = PHASES
 
 
@@ -188,9 +190,11 @@ def _tokens(m: Model, j: Job, rows: int, train: bool) -> dict[str, int]:
         ckpt = s.layers * s.hidden * (2 if master else 4) + per_layer  # layer inputs + one recomputed layer
         out["activations"] += t * (ckpt if j.checkpointing else s.layers * per_layer)
         out["logits"] = 2 * t * s.vocab * e if m.logits else 0
+        if m.logits and j.head_chunk:  # a chunk's logits and their gradient; the head's gradient in fp32 and a cast
+            out["logits"] = 2 * min(t, j.head_chunk) * s.vocab * e + s.embed_params * (4 + e)
     else:  # no grad: one layer's intermediates at a time, then the logits
         out["activations"] += t * e * (3 * s.inter + 3 * s.hidden)
-        out["logits"] = t * s.vocab * e if m.logits else 0
+        out["logits"] = (min(t, j.head_chunk) if j.head_chunk else t) * s.vocab * e if m.logits else 0
     return out
 
 

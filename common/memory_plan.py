@@ -21,6 +21,8 @@ from common.errors import UserError
 from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, plan_memory, read_shape
 from common.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
+HEAD_CHUNK = 4096  # common.workers' default on a GPU (ModelSpec.head_chunk_tokens)
+
 
 def _job(a: dict, script: str, plan, world: int) -> Job:
     bf16 = bool(a.get("bf16"))
@@ -55,7 +57,8 @@ def _job(a: dict, script: str, plan, world: int) -> Job:
                vllm_group=plan.vllm_group, vllm_gpus=engines * plan.vllm_tp, vllm_util=a["vllm_gpu_memory_utilization"],
                vllm_sleep=bool(a.get("vllm_enable_sleep")), vllm_weights=actor.params * (2 if bf16 else actor.dtype_bytes) // plan.vllm_tp,
                sync_bucket=int(a.get("vllm_sync_bucket_mb", 256) * 2**20), phases=PHASES if engines else PHASES[:3],
-               offload_ratio=a.get("adam_offload_ratio", 1.0) if a["adam_offload"] else 1.0, **flags)
+               offload_ratio=a.get("adam_offload_ratio", 1.0) if a["adam_offload"] else 1.0,
+               head_chunk=HEAD_CHUNK if a["zero_stage"] != 3 else 0, **flags)
 
 
 def from_options(a: dict, script: str, plan=None, world_size: int = 1, gpu_bytes: int | None = None,

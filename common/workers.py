@@ -36,12 +36,18 @@ class ModelSpec:
     normalize_reward: bool = False    # value models: (v - mean) / std with the folder's recorded statistics
     offload: bool = False        # frozen models on a GPU: weights kept in CPU memory (--ref_reward_offload)
     liger: bool = False          # causal LMs: liger-kernel's fused kernels on a GPU (--use_liger_kernel)
+    # causal LMs: log-probs from the last hidden state, the head's logits made in chunks of this many
+    # positions and never held whole (common.logprobs.head_token_stats); None: 4096 on a GPU, where the
+    # [tokens, vocab] logits are the largest tensor of a small model's step; 0: the whole logits
+    head_chunk_tokens: int | None = None
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
 
 
 class ModelWorker(WeightSender, BaseWorker):
     def setup(self, spec: ModelSpec) -> dict:
         from common import ds
+        from common.logprobs import chunked_head
+        from common.memory_plan import HEAD_CHUNK
         from common.models import attn_implementation, load_causal_lm, load_reward_model, load_tokenizer
 
         self.spec = spec
@@ -76,6 +82,9 @@ class ModelWorker(WeightSender, BaseWorker):
             self.model = ds.initialize(model, settings, self.dist, self.dtype, **spec.optim)
         else:
             self.model = ds.initialize_eval(model, settings, self.dtype, self.dist.device, offload=offload)
+        chunk = spec.head_chunk_tokens if spec.head_chunk_tokens is not None else HEAD_CHUNK if self.dist.device.type == "cuda" else 0
+        self.head = chunked_head(model, chunk, spec.ds.zero_stage, spec.ds.autocast and self.dtype == torch.bfloat16) \
+            if spec.kind == "causal_lm" else None
         # ZeRO-3 streams offloaded shards in by itself; a whole model in CPU memory visits the GPU per batch
         self._visits = offload and settings.zero_stage != 3
         zero = ds.zero_note(settings.zero_stage, self.dist.world_size, self.dist.device) if spec.trainable else None
@@ -112,17 +121,22 @@ class ModelWorker(WeightSender, BaseWorker):
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1]); with share_prefix
         from each prompt's last position on (zeros before: no action sits there)."""
-        from common.logprobs import token_stats
+        from common.logprobs import head_stats, token_stats
         from common.shared_prefix import shared_prefix_stats
 
         if self.spec.share_prefix:
             return shared_prefix_stats(self.model, micro, self.spec.temperature, entropy)
         inputs, packed = self._inputs(micro)
-        logits = self.model(**inputs).logits
         # Every position against the next token, the last against an arbitrary one, dropped after:
         # the logits stay one contiguous tensor (a [:, :-1] view would cost a copy of them).
-        ids = inputs["input_ids"]
-        lp, ent = token_stats(logits, torch.roll(ids, -1, dims=1), self.spec.temperature, entropy)
+        labels = torch.roll(inputs["input_ids"], -1, dims=1)
+        if self.head is not None:
+            head, chunk, dtype = self.head
+            with head_stats(head, labels, self.spec.temperature, entropy, chunk, dtype):
+                out = self.model(**inputs).logits  # [b, t, 2]: log p and entropy, or [b, t, 1]
+            lp, ent = out[..., 0], (out[..., 1] if entropy else None)
+        else:
+            lp, ent = token_stats(self.model(**inputs).logits, labels, self.spec.temperature, entropy)
         lp, ent = lp[:, :-1], (ent[:, :-1] if entropy else None)
         if packed is not None:
             lp, ent = packed.unpack_next_token(lp), (packed.unpack_next_token(ent) if entropy else None)

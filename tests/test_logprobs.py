@@ -147,3 +147,56 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_eager(capsys):
         assert L._fused("test-broken", broken, torch.ones(2)) is None and capsys.readouterr().err == ""
     finally:
         L._COMPILED.pop("test-broken", None)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_head_stats_from_the_hidden_state_equal_log_softmax_of_the_full_logits(chunk, temperature):
+    """Log-probs and entropy from the last hidden state, the head's logits made `chunk` positions at
+    a time (the GPU default: common.workers), against log_softmax of the whole logits written out;
+    gradients through a tied head (the embedding is the head's weight, as in Qwen2.5-0.5B), fp64."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, V = 3, 11, 8, 40
+    emb = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mix = torch.randn(H, H, generator=g, dtype=torch.float64)
+
+    def run(fused: bool):
+        hidden = torch.tanh(emb[ids] @ mix)  # [B, T, H]: depends on the head's weight too
+        labels = torch.roll(ids, -1, dims=1)
+        if fused:
+            lp, ent = L.head_token_stats(hidden, emb, labels, temperature, True, chunk)
+        else:
+            logp = torch.log_softmax(hidden @ emb.T / temperature, -1)
+            lp = logp.gather(-1, labels[..., None])[..., 0]
+            ent = -(logp.exp() * logp).sum(-1)
+        w = torch.linspace(-1, 1, B * T, dtype=torch.float64).view(B, T)
+        (grad,) = torch.autograd.grad((lp * w).sum() + (ent * w.flip(1)).sum(), [emb])
+        return lp, ent, grad
+
+    for got, want in zip(run(True), run(False)):
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, want, atol=1e-10, rtol=1e-9), (got - want).abs().max()
+
+
+def test_head_stats_in_bf16_keep_no_full_logits_and_give_fp32():
+    """bf16 hidden states and head: fp32 results, close to the full logits' path; the head's
+    gradient in its own dtype; only [chunk, V] logits live at a time (the saved tensors: the hidden
+    state, the weight, labels and [N] statistics)."""
+    g = torch.Generator().manual_seed(2)
+    N, H, V = 64, 16, 300
+    hidden = torch.randn(N, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    def saved_sizes(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            out = fn()
+        return out, sizes
+
+    (lp, _), sizes = saved_sizes(lambda: L.head_token_stats(hidden, w, labels, chunk_tokens=16))
+    ref, full = saved_sizes(lambda: L.token_logprobs((hidden @ w.T)[None], labels[None])[0])
+    assert lp.dtype == torch.float32 and torch.allclose(lp, ref, atol=1e-5)
+    assert sizes and max(sizes) < N * V <= max(full)  # the whole-logits path keeps [N, V]; this one does not
+    lp.sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16 and w.grad.abs().sum() > 0

@@ -5,7 +5,7 @@ over the step's sequences; Dr. GRPO divides each sequence's sum by the constant 
 The real worker (`common.workers.ModelWorker.train`) with the real DeepSpeed engine must give the
 gradients of that formula, written here as a plain loop over sequences and tokens, whatever the
 micro-batch size (1, 2, the whole batch: micro-batches then have different widths and token counts)
-and with 2 ranks as with 1.
+and with 2 ranks as with 1 (the 2 ranks with log-probs from the hidden state in chunks, as on a GPU).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 NORM_LEN = 16  # the Dr. GRPO constant (--generate_max_len)
 
 RUN = r"""
-import json, sys
+import json, os, sys
 import torch
 import common.updates as updates
 from common.ds import DSSettings
@@ -50,12 +50,16 @@ def capture(self, closure=None):          # ZeRO-0: the all-reduced gradients, b
     return step(self, closure)
 updates.SkipNonfinite.step = capture
 
+chunked = "WORLD_SIZE" in os.environ  # torchrun's two ranks (read before setup sets it for one)
 w = object.__new__(ModelWorker)
 w.role = "actor"
 settings = DSSettings(zero_stage=0, micro_train_batch_size=1, train_batch_size=N, max_norm=0.0)
 # lr 0: the weights never move, so every mode and micro-batch size sees the same model
-w.setup(ModelSpec(tiny_model_path(), "causal_lm", True, settings,
+# two ranks take their log-probs from the last hidden state, the head's logits in chunks of 5 positions
+# (the GPU default's path, common.logprobs.head_token_stats): the same gradients as the formula
+w.setup(ModelSpec(tiny_model_path(), "causal_lm", True, settings, head_chunk_tokens=5 if chunked else 0,
                   optim=dict(lr=0.0, total_steps=10, warmup_ratio=0.0, scheduler="constant_with_warmup")))
+assert (w.head is not None) == chunked
 rank, world = w.dist.rank, w.dist.world_size
 shard = {k: v[rank * N // world: (rank + 1) * N // world] for k, v in batch.items()}
 
