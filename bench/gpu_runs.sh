@@ -32,6 +32,8 @@
 #   bash bench/gpu_runs.sh i19ref3    # issue 19: the reference flags at 3B (5 steps after 1)
 #   bash bench/gpu_runs.sh i20        # issue 20: 0.5B bench, ours synchronous and --async_train on the one GPU, TRL
 #   bash bench/gpu_runs.sh i19b       # issue 19: equal work at 1.5B, ours memory-cut against TRL
+#   bash bench/gpu_runs.sh i19c       # issue 19: equal work at 0.5B, ours on its defaults, against TRL
+#   bash bench/gpu_runs.sh i19e       # issue 19: equal work at 3B, ours memory-cut against TRL
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -286,6 +288,13 @@ i20)  # issue 20 on one GPU: the 0.5B equal-work bench, ours synchronous (vLLM c
   ;;
 i19b)  # issue 19: equal work at 1.5B, ours with the 3B memory cut (ZeRO-0 fp32 weights under autocast, micro 16)
   LOGS=0 LIMIT=${LIMIT:-540} bench eq_15b --shape 1.5b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  ;;
+i19c)  # issue 19: equal work at 0.5B, ours on its defaults (ZeRO-2, bf16, micro-batch 64) against TRL
+  LOGS=0 LIMIT=${LIMIT:-480} bench eq_05b --shape 0.5b --vllm --warmup 2 --steps 5 --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
+  ;;
+i19e)  # issue 19: equal work at 3B, ours with the memory cut (as i19gap, without the log-prob gap study)
+  LOGS=0 LIMIT=${LIMIT:-540} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
