@@ -269,7 +269,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     rollouts = RolloutQueue(
         lambda prompts, seed, lp: run.submit(prompts, sampling, seed, lp, chunk), batches, run.prompts, depth=depth,
         save_steps=a.save_steps, start=step, total=run.total_steps, seed=lambda j: a.seed * 100_003 + j * 1009,
-        logprobs=lambda j: depth > 0 or a.enable_vllm_is_correction or j % a.logprob_diff_steps == 0)
+        logprobs=lambda j: depth > 0 or a.enable_vllm_is_correction or j % a.logprob_diff_steps == 0, partial=chunk > 0)
     while step < run.total_steps and not stopped:
         t_step = time.perf_counter()
         metrics = {}
@@ -378,8 +378,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
 
         # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run); an
         # engine takes them after the rollouts it is generating (--partial_rollout: after its current chunk)
-        if not a.partial_rollout:
-            metrics.update(rollouts.settle())
+        metrics.update(rollouts.settle())
         run.to_rollout(metrics, step + 1)
         metrics["time/step_s"] = time.perf_counter() - t_step
         tokens = int(batch["attention_mask"].sum())

@@ -121,11 +121,7 @@ def train(a: o.Options) -> None:
     torch.manual_seed(a.seed)
     dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
     attn, attn_note = attn_implementation(a.flash_attn)
-    settings = ds.DSSettings(zero_stage=a.zero_stage, bf16=dtype == torch.bfloat16, adam_offload=a.adam_offload,
-                             adam_offload_ratio=a.adam_offload_ratio,
-                             gradient_checkpointing=a.gradient_checkpointing, max_norm=a.max_norm,
-                             micro_train_batch_size=a.micro_train_batch_size, train_batch_size=a.train_batch_size,
-                             autocast=a.torch_autocast, compile=a.torch_compile, **orl.ds_keys(a))
+    settings = ds.settings_from(a, bf16=dtype == torch.bfloat16)
     accum = ds.grad_accumulation(settings, dist.world_size)
     memory = memory_plan.preflight(a, "rm", world_size=dist.world_size)  # refused here if it cannot fit the GPU
 

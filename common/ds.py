@@ -43,6 +43,17 @@ class DSSettings:
     deterministic: bool = False
 
 
+def settings_from(a, bf16: bool, **more) -> DSSettings:
+    """A script's DeepSpeed options as DSSettings; `a`: its options (a mapping of flag names to values)."""
+    from common.openrlhf_flags import ds_keys
+
+    return DSSettings(zero_stage=a["zero_stage"], bf16=bf16, adam_offload=a["adam_offload"],
+                      adam_offload_ratio=a["adam_offload_ratio"], gradient_checkpointing=a["gradient_checkpointing"],
+                      max_norm=a["max_norm"], micro_train_batch_size=a["micro_train_batch_size"],
+                      train_batch_size=a["train_batch_size"], autocast=a["torch_autocast"], compile=a["torch_compile"],
+                      **ds_keys(a), **more)
+
+
 def resolve_dtype(bf16: bool, device: torch.device) -> tuple[torch.dtype, str | None]:
     """(dtype, note). bf16 on a CPU without native bf16 is emulated and slower than fp32."""
     if not bf16:

@@ -25,7 +25,6 @@ class RLRun:
         from common import ds
         from common.checkpoint import Preemption
         from common.models import load_tokenizer, resolve_pretrain
-        from common.openrlhf_flags import ds_keys
         from common.ray_groups import create_placement_groups, init_ray
         from common.resources import check_fits
         from common.rl_checks import cpu_refused
@@ -52,13 +51,7 @@ class RLRun:
         self.transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
                                           colocated=plan.vllm_group == self.roles["actor"].group) \
             if a["vllm_num_engines"] else None
-        self.settings = ds.DSSettings(
-            zero_stage=a["zero_stage"], bf16=a["bf16"], adam_offload=a["adam_offload"],
-            adam_offload_ratio=a["adam_offload_ratio"],
-            gradient_checkpointing=a["gradient_checkpointing"], max_norm=a["max_norm"],
-            micro_train_batch_size=a["micro_train_batch_size"], train_batch_size=a["train_batch_size"],
-            fused_adam=a["deepspeed_enable_sleep"], autocast=a["torch_autocast"], compile=a["torch_compile"],
-            **ds_keys(a))
+        self.settings = ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
         for role in ("actor", "critic"):  # refused here, not after the models have loaded
             if role in self.roles:
                 ds.grad_accumulation(self.settings, self.roles[role].workers)

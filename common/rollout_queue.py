@@ -58,8 +58,9 @@ class RolloutQueue:
     and whether the engines return their log-probs."""
 
     def __init__(self, submit: Callable, batches: Iterator, prompts: list, *, depth: int, save_steps: int,
-                 start: int, total: int, seed: Callable[[int], int], logprobs: Callable[[int], bool]):
-        self.submit, self.batches, self.prompts = submit, batches, prompts
+                 start: int, total: int, seed: Callable[[int], int], logprobs: Callable[[int], bool],
+                 partial: bool = False):
+        self.submit, self.batches, self.prompts, self.partial = submit, batches, prompts, partial
         self.depth, self.save_steps, self.total = depth, save_steps, total
         self.seed, self.logprobs = seed, logprobs
         self.next_index = start
@@ -91,8 +92,9 @@ class RolloutQueue:
 
     def settle(self) -> dict:
         """Wait for the rollouts in flight before a weight sync, which an engine runs after them anyway:
-        the sync's timeout (--vllm_sync_timeout) then counts the sync alone. Returns the wait as a metric."""
-        if not self.pending:
+        the sync's timeout (--vllm_sync_timeout) then counts the sync alone. Returns the wait as a metric.
+        With `partial` (--partial_rollout) no wait: the engines take the sync between two chunks."""
+        if not self.pending or self.partial:
             return {}
         t0 = time.perf_counter()
         for r in self.pending:

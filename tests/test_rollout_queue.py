@@ -82,6 +82,24 @@ def test_queue_never_runs_past_the_last_step():
     assert len(engine.calls) == 2 and not q.pending and q.settle() == {}
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_settle_waits_for_the_rollouts_in_flight_except_with_partial_rollout(partial):
+    """Before a sync the queue collects what the engines are generating, so the sync's timeout counts
+    the sync alone; with --partial_rollout it does not: the engines take the sync between two chunks."""
+    collected = []
+
+    def submit(prompts, seed, logprobs):
+        return lambda: collected.append(seed) or Samples([[1]], [[2]], [0], [False])
+
+    q = RolloutQueue(submit, iterate_batches(40, 4, 0), list(range(40)), depth=2, save_steps=-1, start=0,
+                     total=5, seed=lambda j: j, logprobs=lambda j: False, partial=partial)
+    q.take(0)  # rollouts 1 and 2 in flight
+    waited = q.settle()
+    assert collected == ([0] if partial else [0, 1, 2])
+    assert ("time/engine_wait_s" in waited) != partial
+    assert [r.samples is None for r in q.pending] == [partial, partial]
+
+
 # ---------------------------------------------------------------- --partial_rollout (common/partial_rollout.py)
 class CountingEngine:
     """A stand-in for VllmEngine.generate: each token is the last one + 1, a multiple of 10 ends the
