@@ -286,13 +286,13 @@ class RLRun:
         """Save the policy (and {role: folder} of `extra_saves`) unless stopped early; close everything."""
         import ray
 
-        if self.sync:  # a deferred load's failure is still the run's (--async_train)
-            self.sync.wait_loaded()
         if not stopped:
             self.actor.call("save_hf", self.a["save_path"])
             self.log.info(f"policy saved to {self.a['save_path']}")
             for role, path in (extra_saves or {}).items():
                 self.groups[role].call("save_hf", path)
+        if self.sync:  # after the saves: an engine's failed last load (--async_train) still ends the run, losing nothing
+            self.sync.wait_loaded()
         self.log.close()
         for g in self.groups.values():
             g.shutdown()
