@@ -200,3 +200,20 @@ def test_head_stats_in_bf16_keep_no_full_logits_and_give_fp32():
     assert sizes and max(sizes) < N * V <= max(full)  # the whole-logits path keeps [N, V]; this one does not
     lp.sum().backward()
     assert w.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16 and w.grad.abs().sum() > 0
+
+
+def test_the_chunked_head_is_used_only_where_the_logits_are_the_heads_output():
+    """A model type that soft-caps or scales its logits after the head (Gemma 2), a biased head and
+    ZeRO-3 keep the whole logits; the built-in Qwen2 takes the chunked path."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
+
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 vocab_size=64, head_dim=8)
+    qwen = AutoModelForCausalLM.from_config(Qwen2Config(**small))
+    head, chunk, dtype = L.chunked_head(qwen, 4096, 2, True)
+    assert head is qwen.lm_head and chunk == 4096 and dtype == torch.bfloat16
+    assert L.chunked_head(qwen, 4096, 3, False) is None and L.chunked_head(qwen, 0, 2, False) is None
+    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**small, final_logit_softcapping=30.0))
+    assert L.chunked_head(gemma, 4096, 2, False) is None
+    qwen.lm_head = torch.nn.Linear(16, 64, bias=True)
+    assert L.chunked_head(qwen, 4096, 2, False) is None
