@@ -238,17 +238,14 @@ def head_stats(head: torch.nn.Module, labels: torch.Tensor, temperature: float, 
         del head.forward
 
 
-# Model types whose logits are their head's output as it is: others may scale or soft-cap them after the
-# head (Gemma 2's final_logit_softcapping, Cohere's logit_scale), which the head's [B, T, 2] would not survive.
-PLAIN_HEAD = ("qwen2", "qwen3", "llama", "mistral")
-
-
 def chunked_head(model, chunk_tokens: int, zero_stage: int, autocast_bf16: bool):
     """(head, chunk_tokens, compute dtype) for `head_stats` when a causal LM's log-probs can come from its
     last hidden state, else None: a bias-free linear head whose output is the logits (PLAIN_HEAD), outside
     ZeRO-3 (whose partitioned weight only the head's own hooks gather, for its own forward). Under
     DeepSpeed's torch_autocast, which covers its own forward only, the head's matmul runs in bf16 as it
     would there."""
+    from common.memory_plan import PLAIN_HEAD  # the plan counts the same choice (Gemma 2 soft-caps after the head)
+
     head = model.get_output_embeddings()
     plain = getattr(model.config, "model_type", None) in PLAIN_HEAD
     if not chunk_tokens or zero_stage == 3 or not plain or not isinstance(head, torch.nn.Linear) or head.bias is not None:

@@ -51,6 +51,7 @@ class Shape:
     layer_params: int
     embed_params: int
     dtype_bytes: int    # of the saved weights (vLLM's "auto" dtype)
+    kind: str = ""      # config.json's model_type
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def read_shape(path: str | None, value_head: bool = False) -> Shape:
     layer = 2 * h * q + 2 * h * kv + bias + (2 * d if kind.startswith("qwen3") else 0) + 3 * h * f + 2 * h
     head = h if value_head else 0 if cfg.get("tie_word_embeddings", False) else V * h
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return Shape(L * layer + V * h + h + head, L, h, f, q, kv, V, layer, V * h, 4 if "32" in dtype else 2)
+    return Shape(L * layer + V * h + h + head, L, h, f, q, kv, V, layer, V * h, 4 if "32" in dtype else 2, kind)
 
 
 def _tokens(m: Model, j: Job, rows: int, train: bool) -> dict[str, int]:

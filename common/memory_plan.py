@@ -22,6 +22,9 @@ from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model,
 from common.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
 HEAD_CHUNK = 4096  # common.workers' default on a GPU (ModelSpec.head_chunk_tokens)
+# Model types whose logits are their head's output as it is, so the workers may make them in chunks
+# (common.logprobs.chunked_head): others scale or soft-cap them after the head (Gemma 2, Cohere).
+PLAIN_HEAD = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def _job(a: dict, script: str, plan, world: int) -> Job:
@@ -58,7 +61,7 @@ def _job(a: dict, script: str, plan, world: int) -> Job:
                vllm_sleep=bool(a.get("vllm_enable_sleep")), vllm_weights=actor.params * (2 if bf16 else actor.dtype_bytes) // plan.vllm_tp,
                sync_bucket=int(a.get("vllm_sync_bucket_mb", 256) * 2**20), phases=PHASES if engines else PHASES[:3],
                offload_ratio=a.get("adam_offload_ratio", 1.0) if a["adam_offload"] else 1.0,
-               head_chunk=HEAD_CHUNK if a["zero_stage"] != 3 else 0, **flags)
+               head_chunk=HEAD_CHUNK if a["zero_stage"] != 3 and actor.kind in PLAIN_HEAD else 0, **flags)
 
 
 def from_options(a: dict, script: str, plan=None, world_size: int = 1, gpu_bytes: int | None = None,

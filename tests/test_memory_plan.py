@@ -256,3 +256,28 @@ def test_with_no_gpu_visible_the_needed_gpu_is_the_largest_over_phases():
     assert (phase, frac) == ("sync", 0.0) and need == phases["sync"]
     # a known GPU: where the bytes peak (28.3 + 100 > 73.7)
     assert MemoryPlan([proc], gpu_bytes=200 * GiB, job=job).group_peak("g")[0] == "generate"
+
+
+def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_chunks(tmp_path):
+    """The RL workers on a GPU make the head's logits 4096 positions at a time (common.logprobs.chunked_head)
+    for Qwen2/3, Llama, Mistral under ZeRO 0-2; a model type that soft-caps its logits after the head
+    (Gemma 2) or ZeRO-3 keeps them whole, and the plan must count those whole: 64 rows x 290 tokens of
+    Qwen2.5-0.5B's 152k vocabulary in bf16, twice in training, against a chunk's."""
+    cfg = dict(vocab_size=151936, tie_word_embeddings=True)
+    flags = dict(micro_train_batch_size=64, micro_rollout_batch_size=64, rollout_batch_size=8,
+                 prompt_max_len=34, generate_max_len=256)
+
+    from common.memory_estimate import _tokens
+
+    def logits(kind: str, **kw):
+        folder = tmp_path / f"{kind}{len(kw)}"
+        folder.mkdir()
+        path = _shape_dir(folder, "0.5b", {**cfg, "model_type": kind})
+        plan = mp.from_options(_grpo(path, **flags, **kw), "grpo", _plan(), gpu_bytes=140 * GiB)
+        return plan.job.head_chunk, _tokens(plan.job.models[0], plan.job, 64, True)["logits"]
+
+    whole = 2 * 64 * 290 * 151936 * 2
+    chunk, qwen = logits("qwen2")
+    assert chunk == mp.HEAD_CHUNK and qwen == 2 * 4096 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
+    assert logits("gemma2") == (0, whole)
+    assert logits("qwen2", zero_stage=3) == (0, whole)
