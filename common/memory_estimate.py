@@ -248,6 +248,8 @@ def _model_phases(m: Model, j: Job) -> dict[str, dict[str, int]]:
     if "train" in per:
         t = _tokens(m, j, min(j.train_rows, per_rank), True)
         backward = wb * n if z <= 1 else wb * min(n, BUCKET) if z == 2 else 0
+        if z == 0 and d > 1:  # DeepSpeed all-reduces ZeRO-0's gradients through a flat fp32 copy of 5e8 at a time
+            backward += 4 * min(n, BUCKET)
         # the fp32 gradient the master steps with (ZeRO-3: one sub-group of 1e9 elements at a time)
         step = 0 if wb == 4 or off else 4 * (min(n // d, 10**9) if z == 3 else n // (d if z else 1))
         if off and z == 3 and j.offload_ratio < 1:  # partial offload steps the GPU sub-groups with torch's AdamW

@@ -61,6 +61,7 @@ w.setup(ModelSpec(tiny_model_path(), "causal_lm", True, settings, head_chunk_tok
                   optim=dict(lr=0.0, total_steps=10, warmup_ratio=0.0, scheduler="constant_with_warmup")))
 assert (w.head is not None) == chunked
 rank, world = w.dist.rank, w.dist.world_size
+assert w.model.enable_backward_allreduce == (world > 1)  # one rank skips DeepSpeed's identity all-reduce
 shard = {k: v[rank * N // world: (rank + 1) * N // world] for k, v in batch.items()}
 
 def make_loss(mode):
