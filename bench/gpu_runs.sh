@@ -34,6 +34,10 @@
 #   bash bench/gpu_runs.sh i19b       # issue 19: equal work at 1.5B, ours memory-cut against TRL
 #   bash bench/gpu_runs.sh i19c       # issue 19: equal work at 0.5B, ours on its defaults, against TRL
 #   bash bench/gpu_runs.sh i19e       # issue 19: equal work at 3B, ours memory-cut against TRL
+#   bash bench/gpu_runs.sh i21a       # issue 19 (2026-12-02 pm): models; the overlapped DeepSpeed reload against a blocking one
+#   bash bench/gpu_runs.sh i21b       # issue 19: equal work at 0.5B and 1.5B (the reference in the actor's process)
+#   bash bench/gpu_runs.sh i21c       # issue 19: equal work at 3B, then the reference flags at 3B
+#   bash bench/gpu_runs.sh i21d       # issue 19: the reference flags at 7B, each process's peak against the plan
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -296,6 +300,29 @@ i19c)  # issue 19: equal work at 0.5B, ours on its defaults (ZeRO-2, bf16, micro
 i19e)  # issue 19: equal work at 3B, ours with the memory cut (as i19gap, without the log-prob gap study)
   LOGS=0 LIMIT=${LIMIT:-540} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  ;;
+i21a)  # issue 19, before vLLM: the bench's models, then the reload behind the training passes against one blocking
+  # reload (common.ds_sleep: the same numbers, and the seconds hidden)
+  for sh in 0.5b 1.5b 3b; do [ -d /tmp/bench/model-$sh ] || $PY bench/make_model.py --shape $sh --out /tmp/bench/model-$sh > /dev/null 2>&1; done
+  timeout ${LIMIT:-240} $PY bench/ds_sleep_overlap.py --model /tmp/bench/model-${SHAPE:-1.5b} --out "$OUT/ds_sleep_overlap.json" \
+    > "$OUT/ds_sleep_overlap.txt" 2>&1; echo "ds_sleep_overlap: exit $?" | tee -a "$OUT/summary.txt"; tail -4 "$OUT/ds_sleep_overlap.txt"
+  ;;
+i21b)  # issue 19: equal work at 0.5B (ours ZeRO-2 bf16, micro-batches of 32) and 1.5B (ZeRO-0 autocast, micro 32), vs TRL
+  LOGS=0 LIMIT=${LIMIT05:-220} bench eq_05b --shape 0.5b --vllm --micro_batch 32 --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
+  LOGS=0 LIMIT=${LIMIT15:-320} bench eq_15b --shape 1.5b --vllm --gradient_checkpointing --micro_batch ${MB15:-32} --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  ;;
+i21c)  # issue 19: equal work at 3B (ours ZeRO-0 autocast, micro 16) vs TRL, then the reference flags at 3B (ours only)
+  LOGS=0 LIMIT=${LIMIT3:-300} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch ${MB3:-16} --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  LOGS=0 LIMIT=${LIMITR:-270} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps 4 \
+    --ours_flags "--vllm_sync_backend $SYNC $REF"
+  ;;
+i21d)  # issue 19: the reference flags at 7B with partial Adam offload, a few steps: each process's peak against the plan
+  [ -d /tmp/bench/model-7b ] || $PY bench/make_model.py --shape 7b --out /tmp/bench/model-7b > /dev/null 2>&1
+  LOGS=0 LIMIT=${LIMIT7:-420} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
+    --steps ${STEPS7:-2} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac

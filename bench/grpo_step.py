@@ -161,6 +161,8 @@ def main(
             for name, peak in PEAKS.items():
                 r[f"mfu_{name}"] = 6 * n * r["train_tokens"] / r["train_s"] / peak
     _print_table(rows, gpu)
+    for r in rows:
+        _print_plan(r)
     if trl and rows[0].get("ratio"):
         work = ("both correct for vLLM's log-probs (truncated IS) and ask for them every step" if is_correction and vllm
                 else "neither corrects for vLLM's log-probs nor asks for them" if vllm else "no vLLM on either side")
@@ -349,11 +351,30 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     row["train_steps"] = [m.get("time/train_s") for m in steps]
     if any("rollout/logprob_diff" in m for m in timed):
         row["logprob_diff"] = med("rollout/logprob_diff")
-    row["mem"] = {k: v for k, v in timed[-1].items() if k.startswith("mem/")}  # each process's measured and predicted peak
+    # each process's measured and predicted peak, the largest over the timed steps (each step measures anew)
+    row["mem"] = {k: max(m[k] for m in timed if k in m) for k in sorted({k for m in timed for k in m if k.startswith("mem/")})}
     row["gen_tok_s"] = batch * row["response_len"] / row["step_s"]
     # tokens the training phase processed (prompt + response, no padding): perf/tokens_per_s is per step
     row["train_tokens"] = _median([m["perf/tokens_per_s"] * m["time/step_s"] for m in timed])
     return row
+
+
+def _print_plan(row: dict) -> None:
+    """The memory plan's prediction beside each process's measured peak (GiB), from our run's mem/ metrics:
+    the device's share (context included) where NVML saw the process, the allocator's hold, the tensors."""
+    mem = row.get("mem") or {}
+    roles = sorted({k[4:-len("_predicted_gb")] for k in mem if k.endswith("_predicted_gb")})
+    lines = []
+    for role in roles:
+        for what, measured, predicted in (("device", "device_peak_gb", "predicted_device_gb"),
+                                          ("reserved", "peak_reserved_gb", "predicted_reserved_gb"),
+                                          ("allocated", "peak_gb", "predicted_gb")):
+            m, p = mem.get(f"mem/{role}_{measured}"), mem.get(f"mem/{role}_{predicted}")
+            if m and p and not (role == "vllm" and what == "allocated"):  # vLLM's share is all it may hold
+                lines.append(f"  {role:<8} {what:<9} predicted {p:7.2f}  measured {m:7.2f}  ({(p - m) / m:+.0%})")
+    if lines:
+        print(f"memory plan against {row['name']}'s peaks (GiB on its GPU, the largest over the timed steps):", flush=True)
+        print("\n".join(lines), flush=True)
 
 
 # ------------------------------------------------------------------------------------- TRL

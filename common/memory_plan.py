@@ -18,6 +18,8 @@ import sys
 from dataclasses import replace
 
 from common.errors import UserError
+from common.guests import hosts
+from common.guests import note as hosted_note
 from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, plan_memory, read_shape
 from common.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
@@ -48,8 +50,10 @@ def _job(a: dict, script: str, plan, world: int) -> Job:
                    phases=("logprobs", "train") if script == "dpo" else ("train",), **flags)
     paths = {"actor": a["pretrain"], "ref": a["pretrain"], "reward": a.get("reward_pretrain"),
              "critic": a.get("critic_pretrain") or a.get("reward_pretrain") or a["pretrain"]}
+    hosted = hosts(plan)  # a frozen role in a trained role's processes shares their allocator and context
     models = tuple(Model(r.role, read_shape(paths[r.role], r.role in ("critic", "reward")), r.role in ("actor", "critic"),
-                         r.role in ("actor", "ref"), r.workers, r.group, r.role, f"--{r.role}_num_gpus_per_node {2 * r.gpus_per_node}")
+                         r.role in ("actor", "ref"), r.workers, r.group, hosted.get(r.role, r.role),
+                         f"--{r.role}_num_gpus_per_node {2 * r.gpus_per_node}")
                    for r in plan.roles)
     n, engines = a["n_samples_per_prompt"], plan.vllm_engines
     actor = models[0].shape
@@ -221,6 +225,9 @@ def show(log, mp: MemoryPlan) -> None:
     j = mp.job
     log.table(f"memory plan (GiB on each GPU; sequences of {j.seq} tokens, micro-batches of {j.train_rows} "
               f"(train) and {j.infer_rows} (no grad) sequences)", rows(mp))
+    shared = {m.role: m.process for m in j.models if m.process != m.role and m.role in ("ref", "reward")}
+    if hosted_note(shared):
+        log.info(f"memory plan: {hosted_note(shared)}")
     if not mp.gpu_bytes:
         log.info("memory plan: no GPU visible here, so not checked against one")
     try:
@@ -242,15 +249,16 @@ def preflight(a: dict, script: str, plan=None, world_size: int = 1, log=None, se
 
 
 def mem_metrics(role: str, measured: dict | None, mp: MemoryPlan | None, seq: int | None = None) -> dict:
-    """`mem/` keys of one process: its measured peaks in GiB (`ModelWorker.gpu_memory`; None: this process's
-    torch.cuda counters) beside the predicted ones (allocated; reserved: what its allocator holds), the
-    prediction redone for `seq`, the step's longest sequence. role "": mem/peak_gb, mem/predicted_gb."""
+    """`mem/` keys of one process: its measured peaks in GiB (common.gpu_memory.measure; None: measured here)
+    beside the predicted ones (allocated; reserved: what its allocator holds; device: with the CUDA context,
+    vLLM's whole share), the prediction redone for `seq`, the step's longest sequence. role "": mem/peak_gb,
+    mem/predicted_gb."""
     if measured is None:
-        import torch
+        from common.gpu_memory import measure
 
-        if not torch.cuda.is_available():
+        measured = measure(reset=False)
+        if not measured:
             return {}
-        measured = {"peak_gb": torch.cuda.max_memory_allocated() / GiB, "peak_reserved_gb": torch.cuda.max_memory_reserved() / GiB}
     pre = f"mem/{role}_" if role else "mem/"
     out = {pre + k: v for k, v in measured.items()}
     if mp is not None and mp.job is not None:
@@ -259,4 +267,5 @@ def mem_metrics(role: str, measured: dict | None, mp: MemoryPlan | None, seq: in
         if proc is not None:
             out[pre + "predicted_gb"] = proc.allocated_peak / GiB
             out[pre + "predicted_reserved_gb"] = (max(proc.phases.values()) - CONTEXT) / GiB  # the allocator's hold
+            out[pre + "predicted_device_gb"] = max(proc.phases.values()) / GiB  # and the context: device_peak_gb's
     return out

@@ -69,6 +69,7 @@ class RLRun:
         self.optim_steps = a["rollout_batch_size"] * n // a["train_batch_size"] * a["max_epochs"]
         self.ckpt_root = a["ckpt_path"] or os.path.join(a["save_path"], "checkpoints")
         self.groups, self.engines, self.sync = {}, [], None
+        self._vllm_memory: list = []  # --async_train: the engines' memory figures asked for, not yet read
 
     def optim(self, lr: float) -> dict:
         """The optimizer and schedule of a trained role (common.ds.initialize's keywords)."""
@@ -104,6 +105,7 @@ class RLRun:
         """Start a worker group per role ({role: ModelSpec}, the actor first), the engines, the weight sync;
         resume when asked; open the logger and print the banner. Returns the resumed loop state."""
         from common.checkpoint import latest_checkpoint
+        from common.guests import GuestGroup, hosts
         from common.logger import MetricsLogger, git_commit, versions
         from common.ray_groups import RoleGroup, get
         from common.resources import plan_rows, plan_summary
@@ -115,7 +117,12 @@ class RLRun:
 
         a, plan = self.a, self.plan
         pending = []
-        for role, spec in specs.items():
+        hosted = hosts(plan)  # frozen roles loaded into a trained role's processes on the same GPUs
+        for role, spec in sorted(specs.items(), key=lambda kv: kv[0] in hosted):  # a host's own model loads first
+            if role in hosted:
+                self.groups[role] = GuestGroup(role, self.groups[hosted[role]])
+                pending.append(self.groups[hosted[role]].async_call("host", role, spec))
+                continue
             self.groups[role] = RoleGroup(role, ModelWorker, self.roles[role], self.pgs[self.roles[role].group])
             pending.append(self.groups[role].async_call("setup", spec))
         self.actor = self.groups["actor"]
@@ -228,15 +235,24 @@ class RLRun:
         vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
         offloading first made the engines load stale shards), then the training states leave, and only
         then does vLLM's KV cache, the largest piece, wake. Nothing to push when the policy generates itself."""
-        if self.plan.use_gpu:
-            for g in self.trained:
-                metrics.update(memory_plan.mem_metrics(g.role, g.call("gpu_memory")[0], self.memory))  # measured, predicted
+        if self.plan.use_gpu:  # each process's measured peak beside the plan's (the trainers' before they sleep)
+            self.memory_metrics(metrics)
         if self.engines:
             self.vllm_sleep("wake_up", ["weights"])
             metrics.update(self.sync(version))
+        if self.a["deepspeed_enable_sleep"]:  # the reload behind the passes (common.ds_sleep): how much they waited
+            for g in self.trained:
+                metrics.update({k: max(v, metrics.get(k, 0.0)) for k, v in g.call("reload_timing")[0].items()})
         metrics["time/offload_s"] = self.ds_sleep("offload_states")
         if self.engines:
             self.vllm_sleep("wake_up", ["kv_cache"])
+
+    def memory_metrics(self, metrics: dict) -> None:
+        """mem/{role}_... of every model's process and mem/vllm_... since the last call (common.gpu_memory)."""
+        from common.gpu_memory import run_metrics
+
+        self._vllm_memory = run_metrics(self.groups, self.engines, self.memory, metrics, self._vllm_memory,
+                                        deferred=self.a["async_train"])
 
     def evaluate(self, step: int, sampling: dict, end_of_episode: bool, metrics: dict) -> None:
         """Every --eval_steps steps (-1: at the end of each pass over the prompts) and at the last step:

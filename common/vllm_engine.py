@@ -139,6 +139,12 @@ class VllmEngine:
     def cores(self) -> list[int]:
         return sorted(os.sched_getaffinity(0))
 
+    def gpu_memory(self) -> dict:
+        """The largest of its workers' GPU memory figures (common.gpu_memory), since the last call."""
+        from common.gpu_memory import combine
+
+        return combine(self.llm.collective_rpc("hybridrl_memory"))
+
     def generate(self, prompt_ids: list[list[int]], sampling: dict, seed: int):
         """n samples per prompt, token ids in and out, with each sampled token's log-prob."""
         from vllm import SamplingParams

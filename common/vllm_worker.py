@@ -19,6 +19,12 @@ class WeightReceiver:
             return "cpu"
         return str(torch.cuda.get_device_properties(self.device).uuid)
 
+    def hybridrl_memory(self) -> dict:
+        """This worker's GPU memory (common.gpu_memory.measure): the memory plan's check of vLLM's share."""
+        from common.gpu_memory import measure
+
+        return measure() if self.device.type == "cuda" else {}
+
     def hybridrl_join(self, backend: str, addr: str, port: int, first_rank: int, world: int, timeout_s: float) -> None:
         """Join the sync group as rank `first_rank` + this worker's rank within its engine."""
         from common.weight_sync import join_group

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.ds_sleep import Sleeper
+from common.guests import Host
 from common.ray_groups import BaseWorker
 from common.weight_sender import WeightSender
 
@@ -43,7 +45,7 @@ class ModelSpec:
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
 
 
-class ModelWorker(WeightSender, BaseWorker):
+class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
     def setup(self, spec: ModelSpec) -> dict:
         from common import ds
         from common.logprobs import chunked_head
@@ -163,6 +165,7 @@ class ModelWorker(WeightSender, BaseWorker):
     @torch.no_grad()
     def logprobs(self, batch: dict, micro_batch: int) -> torch.Tensor:
         """[n, T-1] log-probs of this rank's shard (zeros off the action mask)."""
+        self._settled("weights")
         self.model.eval()
         with self._on_device():
             out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
@@ -171,6 +174,7 @@ class ModelWorker(WeightSender, BaseWorker):
 
     @torch.no_grad()
     def values(self, batch: dict, micro_batch: int) -> torch.Tensor:
+        self._settled("weights")
         self.model.eval()
         out = [self._pad_to(self._token_values(m).float().cpu(), batch["input_ids"].shape[1] - 1)
                for _, m in self._micro_batches(batch, micro_batch)]
@@ -222,6 +226,7 @@ class ModelWorker(WeightSender, BaseWorker):
         from common.errors import TrainingError
 
         at = f"step {step}, " if step is not None else ""
+        self._settled("weights")  # a reload under way (common.ds_sleep): the rest before the optimizer step
         self.model.train()
         N = batch["input_ids"].shape[0]
         bounds = [round(s * N / steps) for s in range(steps + 1)]
@@ -251,6 +256,8 @@ class ModelWorker(WeightSender, BaseWorker):
                 # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
                 # its NaN gradients make DeepSpeed skip the update on every rank.
                 self.model.backward(poison_nonfinite(loss) * gas)  # DeepSpeed divides by gas; shares add up
+                if j == len(micros) - 1:
+                    self._settled()
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
@@ -279,28 +286,12 @@ class ModelWorker(WeightSender, BaseWorker):
             dist.all_reduce(counts)
         return float(counts[0]) / world, float(counts[1]) / world
 
-    # ---------------------------------------------------------------- hybrid engine (GPU)
-    def offload_states(self) -> float:
-        """DeepSpeed sleep: optimizer states, gradients and fp32 master weights to CPU; returns seconds."""
-        t0 = time.perf_counter()
-        self.model.offload_states()
-        torch.cuda.empty_cache()
-        return time.perf_counter() - t0
-
-    def reload_states(self) -> float:
-        t0 = time.perf_counter()
-        self.model.reload_states()
-        return time.perf_counter() - t0
-
+    # ---------------------------------------------------------------- GPU memory (the hybrid engine's sleep: common.ds_sleep.Sleeper)
     def gpu_memory(self, reset: bool = True) -> dict:
-        """{allocated, peak, peak reserved} in GiB on this rank's GPU ({} on CPU)."""
-        if not torch.cuda.is_available():
-            return {}
-        out = {"allocated_gb": torch.cuda.memory_allocated() / 2**30, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
-               "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}  # what the device sees, less the context
-        if reset:
-            torch.cuda.reset_peak_memory_stats()
-        return out
+        """This rank's GPU memory in GiB (common.gpu_memory.measure; {} on CPU)."""
+        from common.gpu_memory import measure
+
+        return measure(reset)
 
     # ---------------------------------------------------------------- saving
     def save_hf(self, path: str) -> None:

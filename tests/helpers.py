@@ -19,9 +19,9 @@ def env() -> dict:
     return e
 
 
-def run(args: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command from the repo root; on failure show its output tail."""
-    p = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], timeout: float = 600, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command from the repo root (with `extra_env` set); on failure show its output tail."""
+    p = subprocess.run(args, cwd=ROOT, env=env() | (extra_env or {}), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(args[:3])} ... exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}")
     return p

@@ -158,8 +158,13 @@ def test_phases_sleep_and_metrics(tmp_path):
     assert row["process"] == "= one GPU" and "fits" in row["at its peak (GiB)"]
     keys = mp.mem_metrics("actor", {"peak_gb": 1.0, "peak_reserved_gb": 1.5}, asleep, seq=256)
     assert set(keys) == {"mem/actor_peak_gb", "mem/actor_peak_reserved_gb", "mem/actor_predicted_gb",
-                         "mem/actor_predicted_reserved_gb"}
+                         "mem/actor_predicted_reserved_gb", "mem/actor_predicted_device_gb"}
     assert keys["mem/actor_predicted_gb"] < actor.allocated_peak / GiB  # redone for the shorter sequences
+    # the device's share adds the context to the allocator's hold; vLLM's is its fraction of the GPU
+    assert keys["mem/actor_predicted_device_gb"] - keys["mem/actor_predicted_reserved_gb"] == pytest.approx(0.75)
+    engine = mp.mem_metrics("vllm", {"device_peak_gb": 40.0}, asleep)
+    assert engine["mem/vllm_predicted_device_gb"] == pytest.approx(0.5 * 140, rel=1e-6)
+    assert engine["mem/vllm_device_peak_gb"] == 40.0
 
 
 def test_dry_run_prints_the_memory_table_without_torch():

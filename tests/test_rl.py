@@ -177,12 +177,21 @@ def test_http_reward_server(tmp_path, ray_head, prompt_file):
         server.shutdown()
 
 
-def test_reward_model_path(tmp_path, ray_head, prompt_file, tiny_rm):
-    """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it."""
-    out = str(tmp_path / "run")
-    script("train_ppo.py", "--save_path", out, "--reward_pretrain", tiny_rm, "--colocate_critic_reward", *_prompt_flags(prompt_file, "train_ppo.py"))
-    rows = metrics(out)
-    assert len(rows) == 2 and "train/value_loss" in rows[-1]
+def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, ray_head, prompt_file, tiny_rm):
+    """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it. Colocated,
+    the reference loads into the actor's processes and the reward model into the critic's (common.guests):
+    the run equals the one with a process per role, number for number."""
+    flags = ["--reward_pretrain", tiny_rm, "--colocate_critic_reward", "--colocate_actor_ref",
+             *_prompt_flags(prompt_file, "train_ppo.py")]
+    shared, apart = str(tmp_path / "shared"), str(tmp_path / "apart")
+    p = script("train_ppo.py", "--save_path", shared, *flags)
+    assert "the reference in the actor's, the reward model in the critic's processes" in p.stdout, p.stdout[-3000:]
+    p = script("train_ppo.py", "--save_path", apart, *flags, extra_env={"HYBRIDRL_SHARE_PROCESS": "0"})
+    assert "the reference in the actor's" not in p.stdout
+    keep = lambda rows: [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]  # noqa: E731
+    a, b = keep(metrics(shared)), keep(metrics(apart))
+    assert len(a) == 2 and "train/value_loss" in a[-1] and "train/kl" in a[-1]
+    assert a == b
 
 
 @pytest.mark.parametrize("body,expect", [

@@ -1,0 +1,90 @@
+"""What one process holds on its GPU, for the `mem/` metrics that check the memory plan (common.memory_plan).
+
+Each process measures itself: the trainers' workers (`ModelWorker.gpu_memory`) and each vLLM worker
+(`common.vllm_worker`, by `collective_rpc`). torch's counters give the tensors' peak (allocated) and the
+caching allocator's (reserved); the device also holds the CUDA context and libraries' own buffers, which
+only the driver counts. Where NVML sees this process (not always inside a container, whose PIDs the
+driver does not know), `device_peak_gb` adds that non-torch part to the reserved peak: the process's
+own share of what nvidia-smi shows.
+"""
+from __future__ import annotations
+
+import os
+
+GiB = 2**30
+
+
+def _nvml():
+    """pynvml (nvidia-ml-py), or the copy vLLM ships; None when neither imports."""
+    try:
+        import pynvml
+    except ImportError:
+        try:
+            from vllm.third_party import pynvml
+        except ImportError:
+            return None
+    return pynvml
+
+
+def _driver_bytes(device_index: int) -> int | None:
+    """This process's bytes on the GPU as the driver counts them (None: NVML absent or blind to this PID)."""
+    nv = _nvml()
+    if nv is None:
+        return None
+    try:
+        nv.nvmlInit()
+        handle = nv.nvmlDeviceGetHandleByIndex(device_index)
+        procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # no NVML library, or a device index NVML numbers otherwise
+        return None
+    mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid() and p.usedGpuMemory]
+    return mine[0] if mine else None
+
+
+def measure(reset: bool = True) -> dict:
+    """{allocated_gb, peak_gb, peak_reserved_gb[, device_peak_gb]} of this process on its current GPU since
+    the last reset ({} without CUDA); `reset` starts the next peak from now."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    out = {"allocated_gb": torch.cuda.memory_allocated() / GiB, "peak_gb": torch.cuda.max_memory_allocated() / GiB,
+           "peak_reserved_gb": torch.cuda.max_memory_reserved() / GiB}
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [v for v in visible.split(",") if v.strip()]
+    physical = int(ids[index]) if index < len(ids) and ids[index].strip().isdigit() else index
+    used = _driver_bytes(physical)
+    if used is not None:  # context and non-torch buffers now, over the allocator's peak
+        out["device_peak_gb"] = (torch.cuda.max_memory_reserved() + max(0, used - torch.cuda.memory_reserved())) / GiB
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def combine(parts: list[dict]) -> dict:
+    """Several workers' `measure` (an engine's tensor-parallel ranks): the largest of each figure."""
+    out: dict = {}
+    for p in parts:
+        for k, v in (p or {}).items():
+            out[k] = max(out.get(k, v), v)
+    return out
+
+
+def run_metrics(groups: dict, engines: list, plan, metrics: dict, asked: list, deferred: bool) -> list:
+    """An RL run's `mem/` metrics into `metrics`: each role's process (rank 0's; a role hosted in another's
+    process is counted there) and the engines' (the largest) beside the memory plan's `plan`. With
+    `deferred` (--async_train) an engine is generating the next rollout now and runs its calls in order:
+    the figures `asked` for at the last step are read instead, and this step's are asked for (returned)."""
+    from common.guests import GuestGroup
+    from common.memory_plan import mem_metrics
+    from common.ray_groups import get
+
+    for g in groups.values():
+        if not isinstance(g, GuestGroup):
+            metrics.update(mem_metrics(g.role, g.call("gpu_memory")[0], plan))
+    now = [e.gpu_memory.remote() for e in engines]
+    read, later = (asked, now) if deferred else (now, [])
+    if read:
+        metrics.update(mem_metrics("vllm", combine(get(read, 120, "vLLM memory")), plan))
+    return later
