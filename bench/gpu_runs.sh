@@ -34,7 +34,6 @@
 #   bash bench/gpu_runs.sh i19b       # issue 19: equal work at 1.5B, ours memory-cut against TRL
 #   bash bench/gpu_runs.sh i19c       # issue 19: equal work at 0.5B, ours on its defaults, against TRL
 #   bash bench/gpu_runs.sh i19e       # issue 19: equal work at 3B, ours memory-cut against TRL
-#   bash bench/gpu_runs.sh i21a       # issue 19 (2026-12-02 pm): models; the overlapped DeepSpeed reload against a blocking one
 #   bash bench/gpu_runs.sh i21b       # issue 19: equal work at 0.5B and 1.5B (the reference in the actor's process)
 #   bash bench/gpu_runs.sh i21c       # issue 19: equal work at 3B, then the reference flags at 3B
 #   bash bench/gpu_runs.sh i21d       # issue 19: the reference flags at 7B, each process's peak against the plan
@@ -300,12 +299,6 @@ i19c)  # issue 19: equal work at 0.5B, ours on its defaults (ZeRO-2, bf16, micro
 i19e)  # issue 19: equal work at 3B, ours with the memory cut (as i19gap, without the log-prob gap study)
   LOGS=0 LIMIT=${LIMIT:-540} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
-  ;;
-i21a)  # issue 19, before vLLM: the bench's models, then the reload behind the training passes against one blocking
-  # reload (common.ds_sleep: the same numbers, and the seconds hidden)
-  for sh in 0.5b 1.5b 3b; do [ -d /tmp/bench/model-$sh ] || $PY bench/make_model.py --shape $sh --out /tmp/bench/model-$sh > /dev/null 2>&1; done
-  timeout ${LIMIT:-240} $PY bench/ds_sleep_overlap.py --model /tmp/bench/model-${SHAPE:-1.5b} --out "$OUT/ds_sleep_overlap.json" \
-    > "$OUT/ds_sleep_overlap.txt" 2>&1; echo "ds_sleep_overlap: exit $?" | tee -a "$OUT/summary.txt"; tail -4 "$OUT/ds_sleep_overlap.txt"
   ;;
 i21b)  # issue 19: equal work at 0.5B (ours ZeRO-2 bf16, micro-batches of 32) and 1.5B (ZeRO-0 autocast, micro 32), vs TRL
   LOGS=0 LIMIT=${LIMIT05:-220} bench eq_05b --shape 0.5b --vllm --micro_batch 32 --warmup 2 --steps 5 \

@@ -240,9 +240,6 @@ class RLRun:
         if self.engines:
             self.vllm_sleep("wake_up", ["weights"])
             metrics.update(self.sync(version))
-        if self.a["deepspeed_enable_sleep"]:  # the reload behind the passes (common.ds_sleep): how much they waited
-            for g in self.trained:
-                metrics.update({k: max(v, metrics.get(k, 0.0)) for k, v in g.call("reload_timing")[0].items()})
         metrics["time/offload_s"] = self.ds_sleep("offload_states")
         if self.engines:
             self.vllm_sleep("wake_up", ["kv_cache"])

@@ -165,7 +165,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
     @torch.no_grad()
     def logprobs(self, batch: dict, micro_batch: int) -> torch.Tensor:
         """[n, T-1] log-probs of this rank's shard (zeros off the action mask)."""
-        self._settled("weights")
         self.model.eval()
         with self._on_device():
             out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
@@ -174,7 +173,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
 
     @torch.no_grad()
     def values(self, batch: dict, micro_batch: int) -> torch.Tensor:
-        self._settled("weights")
         self.model.eval()
         out = [self._pad_to(self._token_values(m).float().cpu(), batch["input_ids"].shape[1] - 1)
                for _, m in self._micro_batches(batch, micro_batch)]
@@ -226,7 +224,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         from common.errors import TrainingError
 
         at = f"step {step}, " if step is not None else ""
-        self._settled("weights")  # a reload under way (common.ds_sleep): the rest before the optimizer step
         self.model.train()
         N = batch["input_ids"].shape[0]
         bounds = [round(s * N / steps) for s in range(steps + 1)]
@@ -256,8 +253,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
                 # Every rank runs backward, a non-finite loss included (ZeRO's collectives need all ranks);
                 # its NaN gradients make DeepSpeed skip the update on every rank.
                 self.model.backward(poison_nonfinite(loss) * gas)  # DeepSpeed divides by gas; shares add up
-                if j == len(micros) - 1:
-                    self._settled()
                 self.model.step()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
