@@ -269,12 +269,20 @@ def _run(cmd: list[str], log_path: str, timeout: float, gpu: bool, **env: str) -
     with open(log_path, "w") as log, _GpuMemPoll(gpu) as mem:
         # A session of its own: on a timeout the whole tree (Ray, vLLM, DeepSpeed workers) goes, not just the driver.
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def stop(*_):  # this bench ended from outside (`timeout`): its side's tree must not outlive it on the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+            sys.exit(124)
+
+        before = signal.signal(signal.SIGTERM, stop)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = 124
+        finally:
+            signal.signal(signal.SIGTERM, before)
     return rc, time.perf_counter() - t0, mem.peak
 
 
