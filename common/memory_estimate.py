@@ -238,9 +238,11 @@ def _model_phases(m: Model, j: Job) -> dict[str, dict[str, int]]:
     off, wb = j.adam_offload and j.zero_stage >= 1, _weight_bytes(m, j)
     states = training_states(m, j)
     for ph in j.phases:
-        if not (j.ds_sleep and ph == "generate"):  # asleep: all of it in CPU memory ...
+        if not (j.ds_sleep and ph == "generate"):  # asleep: in CPU memory (common.ds_sleep) ...
             per[ph].update(states)
-        elif off and j.offload_ratio < 1:  # ... but DeepSpeed's offload_states leaves a CPU optimizer's states
+        elif not off:  # ... all but the bf16 weights (OpenRLHF's choice) ...
+            per[ph]["weights"] = states["weights"]
+        elif j.offload_ratio < 1:  # ... or with --adam_offload all DeepSpeed holds, but offload_states leaves a CPU optimizer's states
             # alone, also the sub-groups that partial offload keeps on the GPU (and their fp32 gradients)
             per[ph].update(master=states["master"], moments=states["moments"], grads=4 * (states["master"] // 4))
     if "logprobs" in per and m.role != "policy":  # DPO's policy has no no-grad pass

@@ -93,7 +93,10 @@ ZeroStage = Annotated[int, opt("zero_stage", "DeepSpeed ZeRO stage 0-3.", DS)]
 AdamOffload = Annotated[bool, flag("adam_offload", "Keep Adam states in CPU memory (DeepSpeedCPUAdam).", DS)]
 AdamOffloadRatio = Annotated[float, opt("adam_offload_ratio", "With --adam_offload under --zero_stage 3: the share of the optimizer's sub-groups kept in CPU memory (DeepSpeed's offload_optimizer.ratio); the rest step on the GPU. 1 = all, as OpenRLHF's --adam_offload (it has no such flag). A 7B model's full offload needs ~137 GB of host memory; 0.5 ran on one H200 with a 125 GiB host (docs/performance.md).", DS, min=0.0, max=1.0)]
 LocalRank = Annotated[int, typer.Option("--local_rank", hidden=True, help="Set by the deepspeed launcher.")]
-DeepSpeedSleep = Annotated[bool, flag("deepspeed_enable_sleep", "Offload DeepSpeed states between phases (hybrid engine).", DS)]
+DeepSpeedSleep = Annotated[bool, flag(
+    "deepspeed_enable_sleep", "Offload DeepSpeed states while vLLM generates (hybrid engine): Adam moments, fp32 master "
+    "weights and gradients, as OpenRLHF (the bf16 weights stay). With --adam_offload, where OpenRLHF does not sleep, "
+    "ours moves what DeepSpeed keeps on the GPU, weights included.", DS)]
 RefOffload = Annotated[bool, flag("ref_offload", "Keep the reference model's weights in CPU memory: ZeRO-3 streams them to the GPU layer by layer, other stages copy the model over for each of its forward passes.", DS)]
 RefRewardOffload = Annotated[bool, flag("ref_reward_offload", "Keep the reference and reward models' weights in CPU memory: ZeRO-3 streams them to the GPU layer by layer, other stages copy each model over for its forward passes of a step.", DS)]
 

@@ -151,7 +151,11 @@ def test_phases_sleep_and_metrics(tmp_path):
     asleep = mp.from_options(_grpo(path, zero_stage=3, deepspeed_enable_sleep=True, vllm_enable_sleep=True),
                              "grpo", _plan(8, 8), gpu_bytes=140 * GiB)
     actor = {p.process: p for p in asleep.processes}["actor"]
-    assert actor.phases["generate"] < 1 * GiB < actor.phases["train"]
+    # asleep, the actor keeps only its shard of the bf16 weights on the GPU (OpenRLHF's sleep set), beside the
+    # reference's shard: colocated, the reference lives in the actor's processes (common.guests)
+    shard = 2 * mp.read_shape(path).params // 8
+    assert "ref" not in {p.process for p in asleep.processes}
+    assert actor.allocated["generate"] == 2 * shard and actor.phases["generate"] < 6 * GiB < actor.phases["train"]
     assert {p.process: p for p in asleep.processes}["vllm"].phases["train"] < 3 * GiB
     assert asleep.worst() < awake.worst()
     row = mp.rows(asleep)[-1]
@@ -204,7 +208,7 @@ def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path):
     full = {p.process: p for p in mp.from_options(_grpo(path, **flags), "grpo", _plan(), gpu_bytes=140 * GiB).processes}
     half = {p.process: p for p in mp.from_options(_grpo(path, **flags, adam_offload_ratio=0.5), "grpo", _plan(),
                                                   gpu_bytes=140 * GiB).processes}
-    n = half["actor"].breakdown["weights"] / 2  # bf16 weights: 2 bytes a parameter
+    n = mp.read_shape(path).params
     assert half["actor"].breakdown["moments"] == pytest.approx(0.5 * 8 * n, rel=0.01)
     assert half["actor"].allocated["generate"] >= 0.5 * 16 * n > full["actor"].allocated["generate"]
     cfg = ds.train_config(ds.DSSettings(zero_stage=3, adam_offload=True, adam_offload_ratio=0.5), 1, torch_float32())
@@ -286,3 +290,14 @@ def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_c
     assert chunk == mp.HEAD_CHUNK and qwen == 2 * 4096 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
     assert logits("gemma2") == (0, whole)
     assert logits("qwen2", zero_stage=3) == (0, whole)
+
+
+def test_sleep_moves_openrlhfs_states_and_all_with_adam_offload():
+    """--deepspeed_enable_sleep sends what OpenRLHF's does (moments, master, gradients, reduce buckets; the bf16
+    weights stay); with --adam_offload, where OpenRLHF does not sleep, everything DeepSpeed keeps on the GPU."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+    from common.ds_sleep import sleep_states
+
+    assert set(sleep_states(False)) == {S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads}
+    assert sleep_states(True) is None
