@@ -37,6 +37,8 @@
 #   bash bench/gpu_runs.sh i21b       # issue 19: equal work at 0.5B and 1.5B (the reference in the actor's process)
 #   bash bench/gpu_runs.sh i21c       # issue 19: equal work at 3B, then the reference flags at 3B
 #   bash bench/gpu_runs.sh i21d       # issue 19: the reference flags at 7B, each process's peak against the plan
+#   bash bench/gpu_runs.sh i22a       # issue 19 (next): equal work at 0.5B and 1.5B, ZeRO-0 autocast + compiled blocks
+#   bash bench/gpu_runs.sh i22mem     # issue 19 (next): what the 1.5B actor's process holds at its peak
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -316,6 +318,20 @@ i21d)  # issue 19: the reference flags at 7B with partial Adam offload, a few st
   [ -d /tmp/bench/model-7b ] || $PY bench/make_model.py --shape 7b --out /tmp/bench/model-7b > /dev/null 2>&1
   LOGS=0 LIMIT=${LIMIT7:-420} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
     --steps ${STEPS7:-2} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
+  ;;
+i22a)  # issue 19, next: equal work at 0.5B and 1.5B with compiled blocks and fp32 weights under autocast (micro 32)
+  for sh in ${SHAPES:-0.5b 1.5b}; do
+    ck=; [ "$sh" = 0.5b ] || ck=--gradient_checkpointing
+    LOGS=0 LIMIT=${LIMIT:-300} bench eq_${sh}_c --shape $sh --vllm $ck --micro_batch 32 --warmup 2 --steps 5 \
+      --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --torch_compile --micro_rollout_batch_size 16 ${OURS:-}"
+  done
+  ;;
+i22mem)  # issue 19, next: where the 1.5B actor's peak goes (a memory history of its process, read by bench/mem_peak.py)
+  rm -rf /tmp/snap
+  LOGS=0 LIMIT=${LIMIT:-240} bench mem_15b --shape 1.5b --vllm --no-trl --gradient_checkpointing --micro_batch 32 --warmup 1 \
+    --steps 1 --ours_env "HYBRIDRL_MEMORY_SNAPSHOT=/tmp/snap" \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
+  for f in /tmp/snap/*.pickle; do $PY bench/mem_peak.py "$f" --top 30; done > "$OUT/mem_15b_peak.txt" 2>&1; cat "$OUT/mem_15b_peak.txt"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac

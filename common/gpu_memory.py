@@ -62,6 +62,28 @@ def measure(reset: bool = True) -> dict:
     return out
 
 
+def start_history() -> None:
+    """HYBRIDRL_MEMORY_SNAPSHOT=folder (a GPU bench's diagnosis, not a user's option): record this process's
+    allocations with their Python stacks from now on; `dump_history` writes them out once."""
+    import torch
+
+    if os.environ.get("HYBRIDRL_MEMORY_SNAPSHOT") and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+
+
+def dump_history(name: str, calls: int) -> None:
+    """At the `HYBRIDRL_MEMORY_SNAPSHOT_AT`-th call (default 2: one step after the first), the recorded
+    history to {folder}/{name}.pickle (bench/mem_peak.py lists what was live at its peak), and stop."""
+    import torch
+
+    folder = os.environ.get("HYBRIDRL_MEMORY_SNAPSHOT")
+    if not folder or not torch.cuda.is_available() or calls != int(os.environ.get("HYBRIDRL_MEMORY_SNAPSHOT_AT", "2")):
+        return
+    os.makedirs(folder, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(os.path.join(folder, f"{name}.pickle"))
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def combine(parts: list[dict]) -> dict:
     """Several workers' `measure` (an engine's tensor-parallel ranks): the largest of each figure."""
     out: dict = {}

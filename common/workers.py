@@ -54,6 +54,9 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
 
         self.spec = spec
         ds.use_expandable_segments()  # before this process's first CUDA allocation
+        from common.gpu_memory import start_history
+
+        start_history()
         self.dist = ds.setup_distributed()
         torch.manual_seed(spec.seed)
         self.dtype, dtype_note = ds.resolve_dtype(spec.bf16, self.dist.device)
@@ -283,9 +286,11 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
 
     # ---------------------------------------------------------------- GPU memory (the hybrid engine's sleep: common.ds_sleep.Sleeper)
     def gpu_memory(self, reset: bool = True) -> dict:
-        """This rank's GPU memory in GiB (common.gpu_memory.measure; {} on CPU)."""
-        from common.gpu_memory import measure
+        """This rank's GPU memory in GiB since the last call (common.gpu_memory.measure; {} on CPU)."""
+        from common.gpu_memory import dump_history, measure
 
+        self._memory_calls = getattr(self, "_memory_calls", 0) + 1
+        dump_history(f"{self.role}-rank{self.dist.rank}", self._memory_calls)
         return measure(reset)
 
     # ---------------------------------------------------------------- saving
