@@ -47,6 +47,7 @@ def ray_head(tmp_path_factory):
             raise RuntimeError(f"ray start failed:\n{(temp / 'ray_start.log').read_text()[-3000:]}")
         time.sleep(0.5)
     os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    os.environ["HYBRIDRL_TEST_RAY_HEAD_PID"] = str(head.pid)  # whose process tree holds this cluster's workers
     os.environ["RAY_AUTH_MODE"] = "disabled"
     yield os.environ["RAY_ADDRESS"]
     os.environ.pop("RAY_ADDRESS")
