@@ -177,6 +177,8 @@ class _HeadStats(torch.autograd.Function):
             lse[s:e], lp[s:e], part = out if out is not None else _stats(z, labels[s:e], temperature, entropy)
             if entropy:
                 ent[s:e] = part
+            # else the next chunk's logits are made while this one's are still bound: two [chunk, V] at the peak
+            del z, out, part
         ctx.save_for_backward(hidden, weight, labels, lse, *([ent] if entropy else []))
         ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
         ctx.mark_non_differentiable(lse)
@@ -201,10 +203,12 @@ class _HeadStats(torch.autograd.Function):
                     None if g_ent is None else g_ent[s:e], ctx.temperature)
             d = _fused("grad", _grad, *args) if z.is_cuda else None
             d = _grad(*args) if d is None else d  # [c, V] in the compute dtype
+            del z, args  # one [chunk, V] less while d is used, and none carried into the next chunk
             if dh is not None:
                 dh[s:e] = d @ w
             if dw is not None:
                 dw += (d.T @ h).to(dw.dtype)
+            del d
         return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
 
 

@@ -14,7 +14,7 @@ element size; the formulas, their sources and what is measured: docs/performance
   input and one recomputed layer.
 - logits: tokens x vocab in the compute dtype, twice in training (kept, and their gradient): the fused
   log-probs hold no fp32 copy (common/logprobs.py); the RL workers on a GPU (ZeRO 0-2) make them from
-  the hidden state 4096 positions at a time, twice that chunk in training with the head's fp32 gradient.
+  the hidden state 2048 positions at a time, twice that chunk in training with the head's fp32 gradient.
 - vLLM: --vllm_gpu_memory_utilization of the whole GPU, VLLM_ASLEEP asleep, + its weights at sync.
 - each torch process: CONTEXT, and SLACK over its allocated peak; the caching allocator keeps what a
   process freed until empty_cache (DeepSpeed sleep, the offloaded reference's visits).

@@ -23,7 +23,9 @@ from common.guests import note as hosted_note
 from common.memory_estimate import CONTEXT, PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, plan_memory, read_shape
 from common.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
-HEAD_CHUNK = 4096  # common.workers' default on a GPU (ModelSpec.head_chunk_tokens)
+# common.workers' default on a GPU (ModelSpec.head_chunk_tokens). A training step's head holds a chunk's
+# logits and their gradient at once: 2 x 2048 x 152k bf16 is 1.2 GiB (Qwen2.5), and the matmul stays large.
+HEAD_CHUNK = 2048
 # Model types whose logits are their head's output as it is, so the workers may make them in chunks
 # (common.logprobs.chunked_head): others scale or soft-cap them after the head (Gemma 2, Cohere).
 PLAIN_HEAD = ("qwen2", "qwen3", "llama", "mistral")

@@ -15,6 +15,7 @@ import torch
 
 from common.ds_sleep import Sleeper
 from common.guests import Host
+from common.models import autocast_without_weight_cache
 from common.ray_groups import BaseWorker
 from common.weight_sender import WeightSender
 
@@ -39,7 +40,7 @@ class ModelSpec:
     offload: bool = False        # frozen models on a GPU: weights kept in CPU memory (--ref_reward_offload)
     liger: bool = False          # causal LMs: liger-kernel's fused kernels on a GPU (--use_liger_kernel)
     # causal LMs: log-probs from the last hidden state, the head's logits made in chunks of this many
-    # positions and never held whole (common.logprobs.head_token_stats); None: 4096 on a GPU, where the
+    # positions and never held whole (common.logprobs.head_token_stats); None: 2048 on a GPU, where the
     # [tokens, vocab] logits are the largest tensor of a small model's step; 0: the whole logits
     head_chunk_tokens: int | None = None
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
@@ -123,6 +124,7 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         packed = pack(micro["input_ids"], micro["attention_mask"], flash=self.attn == "flash_attention_2")
         return packed.model_inputs(), packed
 
+    @autocast_without_weight_cache()
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1]); with share_prefix
         from each prompt's last position on (zeros before: no action sits there)."""
@@ -147,6 +149,7 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
             lp, ent = packed.unpack_next_token(lp), (packed.unpack_next_token(ent) if entropy else None)
         return lp, ent
 
+    @autocast_without_weight_cache()
     def _token_values(self, micro: dict) -> torch.Tensor:
         """Critic values at the positions that predict each next token: [b, t-1]."""
         from common.models import token_values
@@ -309,3 +312,4 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         from common.checkpoint import load_checkpoint
 
         return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
+

@@ -268,7 +268,7 @@ def test_with_no_gpu_visible_the_needed_gpu_is_the_largest_over_phases():
 
 
 def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_chunks(tmp_path):
-    """The RL workers on a GPU make the head's logits 4096 positions at a time (common.logprobs.chunked_head)
+    """The RL workers on a GPU make the head's logits 2048 positions at a time (common.logprobs.chunked_head)
     for Qwen2/3, Llama, Mistral under ZeRO 0-2; a model type that soft-caps its logits after the head
     (Gemma 2) or ZeRO-3 keeps them whole, and the plan must count those whole: 64 rows x 290 tokens of
     Qwen2.5-0.5B's 152k vocabulary in bf16, twice in training, against a chunk's."""
@@ -287,7 +287,7 @@ def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_c
 
     whole = 2 * 64 * 290 * 151936 * 2
     chunk, qwen = logits("qwen2")
-    assert chunk == mp.HEAD_CHUNK and qwen == 2 * 4096 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
+    assert chunk == mp.HEAD_CHUNK and qwen == 2 * 2048 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
     assert logits("gemma2") == (0, whole)
     assert logits("qwen2", zero_stage=3) == (0, whole)
 
