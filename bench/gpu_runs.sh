@@ -39,6 +39,7 @@
 #   bash bench/gpu_runs.sh i21d       # issue 19: the reference flags at 7B, each process's peak against the plan
 #   bash bench/gpu_runs.sh i22a       # issue 19 (next): equal work at 0.5B and 1.5B, ZeRO-0 autocast + compiled blocks
 #   bash bench/gpu_runs.sh i22mem     # issue 19 (next): what the 1.5B actor's process holds at its peak
+#   bash bench/gpu_runs.sh i23a       # issue 19: equal work at 0.5B (ZeRO-0 autocast, compiled blocks) and 1.5B (not compiled)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -332,6 +333,12 @@ i22mem)  # issue 19, next: where the 1.5B actor's peak goes (a memory history of
     --steps 1 --ours_env "HYBRIDRL_MEMORY_SNAPSHOT=/tmp/snap" \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   for f in /tmp/snap/*.pickle; do $PY bench/mem_peak.py "$f" --top 30; done > "$OUT/mem_15b_peak.txt" 2>&1; cat "$OUT/mem_15b_peak.txt"
+  ;;
+i23a)  # issue 19: equal work, 0.5B with compiled blocks under autocast (the speed bar), 1.5B as i21b (the memory bar)
+  LOGS=0 LIMIT=${LIMIT05:-240} bench eq_05b_c --shape 0.5b --vllm --micro_batch 32 --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --torch_compile --micro_rollout_batch_size 16 ${OURS:-}"
+  LOGS=0 LIMIT=${LIMIT15:-290} bench eq_15b --shape 1.5b --vllm --gradient_checkpointing --micro_batch 32 --warmup 2 --steps 5 \
+    --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac
