@@ -33,12 +33,14 @@ def pref_file(tmp_path_factory):
 
 def test_rm_learns_the_builtin_task_and_saves_a_loadable_model(tmp_path, tiny):
     out = str(tmp_path / "rm")
-    script("train_rm.py", "--save_path", out, "--max_steps", "120", "--eval_steps", "60", "--zero_stage", "2")
+    # lr 3e-4 over 160 steps rather than the demo's 5e-4 over 120: at 5e-4 the short run is chaotic, and the
+    # float differences between hosts decide it (seed 42 gave >= 0.9 on earlier hosts, 0.898 on one, 0.72 on
+    # the 2026-12-03 host, seed 43 0.95 there). At 3e-4 x 160 seeds 42-44 gave 0.94, 0.93, 0.95 there.
+    script("train_rm.py", "--save_path", out, "--max_steps", "160", "--eval_steps", "80", "--zero_stage", "2",
+           "--learning_rate", "3e-4")
     rows = metrics(out)
     evals = [r["eval/acc"] for r in rows if "eval/acc" in r]
-    # chance is 0.5. The bar leaves room for float differences between machines and library builds:
-    # the same code and inputs gave >= 0.9 at step 120 in earlier runs and 0.898 (230 of 256) on
-    # 2026-12-01 (cause not found; every run on one machine gives the same figure)
+    # chance is 0.5; the bar leaves room for float differences between machines and library builds
     assert len(evals) == 2 and evals[-1] >= 0.85 and evals[-1] >= evals[0], evals
     assert rows[0]["train/loss"] == pytest.approx(0.6931, abs=0.02)  # a new head scores both the same
     assert last(rows, "train/loss") < 0.4
