@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import contextmanager
 
 import torch
 
@@ -191,24 +190,6 @@ def head_saved_as(module, state: dict) -> dict:
     if prefix in (None, "score") or not hasattr(module, "score"):
         return state
     return {prefix + k[len("score"):] if k.startswith("score.") else k: v for k, v in state.items()}
-
-
-@contextmanager
-def autocast_without_weight_cache():
-    """Forward passes under torch.autocast without its weight cache (also a decorator).
-
-    Autocast keeps the bf16 cast of every fp32 weight that requires grad until the outermost autocast
-    exits, i.e. for the whole forward, although with gradient checkpointing no graph holds them: a bf16
-    copy of the model's linear layers at the step's peak (2.4 GiB at 1.5B, 5.2 at 3B, measured on an
-    H200 with HYBRIDRL_MEMORY_SNAPSHOT). Each weight is cast once per forward either way, so without the
-    cache nothing is cast twice; the recomputed forward in backward inherits the setting
-    (torch.utils.checkpoint records it) and DeepSpeed's torch_autocast enters autocast with it too."""
-    prev = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(prev)
 
 
 def rope_in_fp32(model) -> int:

@@ -15,7 +15,6 @@ import torch
 
 from common.ds_sleep import Sleeper
 from common.guests import Host
-from common.models import autocast_without_weight_cache
 from common.ray_groups import BaseWorker
 from common.weight_sender import WeightSender
 
@@ -124,7 +123,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         packed = pack(micro["input_ids"], micro["attention_mask"], flash=self.attn == "flash_attention_2")
         return packed.model_inputs(), packed
 
-    @autocast_without_weight_cache()
     def _token_logprobs(self, micro: dict, entropy: bool = False):
         """log pi(token) for every next-token position: [b, t-1] (and entropy [b, t-1]); with share_prefix
         from each prompt's last position on (zeros before: no action sits there)."""
@@ -149,7 +147,6 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
             lp, ent = packed.unpack_next_token(lp), (packed.unpack_next_token(ent) if entropy else None)
         return lp, ent
 
-    @autocast_without_weight_cache()
     def _token_values(self, micro: dict) -> torch.Tensor:
         """Critic values at the positions that predict each next token: [b, t-1]."""
         from common.models import token_values
@@ -312,4 +309,3 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         from common.checkpoint import load_checkpoint
 
         return load_checkpoint(path, {self.role: self.model}, rank=self.dist.rank)
-
