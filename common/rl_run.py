@@ -116,23 +116,34 @@ class RLRun:
         from common.workers import ModelWorker
 
         a, plan = self.a, self.plan
-        pending = []
+        calls = []
         hosted = hosts(plan)  # frozen roles loaded into a trained role's processes on the same GPUs
         for role, spec in sorted(specs.items(), key=lambda kv: kv[0] in hosted):  # a host's own model loads first
             if role in hosted:
                 self.groups[role] = GuestGroup(role, self.groups[hosted[role]])
-                pending.append(self.groups[hosted[role]].async_call("host", role, spec))
+                calls.append((self.groups[hosted[role]], "host", role, spec))
                 continue
             self.groups[role] = RoleGroup(role, ModelWorker, self.roles[role], self.pgs[self.roles[role].group])
-            pending.append(self.groups[role].async_call("setup", spec))
+            calls.append((self.groups[role], "setup", spec))
         self.actor = self.groups["actor"]
-        self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)  # while the models load
+        # vLLM sizes its KV cache from the device's free memory before and after its profiling pass, so a model
+        # loading on the same GPU meanwhile shrinks it (3B, reference flags: 21 of the planned 41.9 GiB on
+        # 2026-12-03). On a shared GPU the engines start first, asleep under --vllm_enable_sleep while the
+        # models load (OpenRLHF's order); on their own GPUs, or on CPU, they start while the models load.
+        first = plan.use_gpu and any(self.roles[r].group == plan.vllm_group for r in specs if r not in hosted)
+        if first:
+            self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)
+            self.vllm_sleep("sleep", a["vllm_sleep_level"])
+        pending = [group.async_call(*args) for group, *args in calls]
+        if not first:
+            self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)
         infos = [get(p, 1800, "model setup") for p in pending]
         if self.engines:
             self.sync = WeightSync(self.actor, self.engines, transport=self.transport, bucket_mb=a["vllm_sync_bucket_mb"],
                                    timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"],
                                    overlap_load=a["async_train"])
         self.trained = [self.groups[r] for r in ("actor", "critic") if r in self.groups]
+        asleep = first and a["vllm_enable_sleep"]
 
         state = {"step": 0, "episode": 0, "step_in_episode": 0, "skipped_updates": {g.role: 0 for g in self.trained}}
         self.resumed = latest_checkpoint(os.path.join(self.ckpt_root, "actor")) if a["load_checkpoint"] else None
@@ -140,10 +151,13 @@ class RLRun:
             for g in self.trained:
                 state = g.call("load_checkpoint", self.resumed.replace(
                     os.path.join(self.ckpt_root, "actor"), os.path.join(self.ckpt_root, g.role)))[0]
-            if self.engines:  # the engines start from --pretrain; give them the resumed weights
+            if self.engines and not asleep:  # the engines start from --pretrain; give them the resumed weights
                 self.sync(state["step"])
         state.setdefault("skipped_updates", {g.role: 0 for g in self.trained})  # older checkpoints have none
-        self.ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
+        if asleep:  # rollouts come first: wake the engines with the actor's (perhaps resumed) weights
+            self.to_rollout({}, state["step"])
+        else:
+            self.ds_sleep("offload_states")  # rollouts come first: give vLLM the memory
 
         n = a["n_samples_per_prompt"]
         self.log = log = MetricsLogger(
