@@ -13,9 +13,10 @@ import random
 
 from common import cpu_threads, memory_plan
 from common.errors import require
+from common.hybrid_engine import HybridEngine
 
 
-class RLRun:
+class RLRun(HybridEngine):
     """Built in two calls: `RLRun(a, plan)` (seeds, tokenizer, prompts, reward source, Ray, placement
     groups), then `start(specs, ...)` (role groups, engines, weight sync, resume, logger and banner)."""
 
@@ -224,46 +225,6 @@ class RLRun:
         from common.rollout import split_batch
 
         return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
-
-    def ds_sleep(self, method: str) -> float:
-        """Hybrid engine: DeepSpeed states of the trained models leave the GPU (offload) or return."""
-        if not self.a["deepspeed_enable_sleep"]:
-            return 0.0
-        return max(max(g.call(method)) for g in self.trained)
-
-    def vllm_sleep(self, method: str, *args) -> None:
-        from common.ray_groups import get
-
-        if self.a["vllm_enable_sleep"]:
-            get([getattr(e, method).remote(*args) for e in self.engines], 600, f"vLLM {method}")
-
-    def to_training(self) -> float:
-        """After generation: vLLM sleeps, the training states come back (the hybrid engine's order frees
-        memory for each phase). Returns the reload's seconds."""
-        self.vllm_sleep("sleep", self.a["vllm_sleep_level"])
-        return self.ds_sleep("reload_states")
-
-    def to_rollout(self, metrics: dict, version: int) -> None:
-        """After training: new weights (policy `version`) to the engines, training states off the GPU, then the KV cache.
-
-        vLLM's weights wake and are overwritten from the trainer's (which must still be on the GPU:
-        offloading first made the engines load stale shards), then the training states leave, and only
-        then does vLLM's KV cache, the largest piece, wake. Nothing to push when the policy generates itself."""
-        if self.plan.use_gpu:  # each process's measured peak beside the plan's (the trainers' before they sleep)
-            self.memory_metrics(metrics)
-        if self.engines:
-            self.vllm_sleep("wake_up", ["weights"])
-            metrics.update(self.sync(version))
-        metrics["time/offload_s"] = self.ds_sleep("offload_states")
-        if self.engines:
-            self.vllm_sleep("wake_up", ["kv_cache"])
-
-    def memory_metrics(self, metrics: dict) -> None:
-        """mem/{role}_... of every model's process and mem/vllm_... since the last call (common.gpu_memory)."""
-        from common.gpu_memory import run_metrics
-
-        self._vllm_memory = run_metrics(self.groups, self.engines, self.memory, metrics, self._vllm_memory,
-                                        deferred=self.a["async_train"])
 
     def evaluate(self, step: int, sampling: dict, end_of_episode: bool, metrics: dict) -> None:
         """Every --eval_steps steps (-1: at the end of each pass over the prompts) and at the last step:
