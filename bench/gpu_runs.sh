@@ -40,8 +40,6 @@
 #   bash bench/gpu_runs.sh i22a       # issue 19 (next): equal work at 0.5B and 1.5B, ZeRO-0 autocast + compiled blocks
 #   bash bench/gpu_runs.sh i22mem     # issue 19 (next): what the 1.5B actor's process holds at its peak
 #   bash bench/gpu_runs.sh i23a       # issue 19: equal work at 0.5B (ZeRO-0 autocast, compiled blocks) and 1.5B (not compiled)
-#   bash bench/gpu_runs.sh i24ref3    # issue 19: the reference flags at 3B, vLLM's KV cache line (engines before models)
-#   bash bench/gpu_runs.sh i24ref7    # issue 19: the same at 7B with partial Adam offload
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto),
 #      OURS (more train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2).
 set -uo pipefail
@@ -77,6 +75,9 @@ bench() {  # name, grpo_step.py flags...
     for f in /tmp/bench/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/$name-$(basename "$f")"; done; }
   local m; m=$(ls -t /tmp/bench/ours-*/metrics.jsonl 2>/dev/null | head -1)  # this run's (vLLM or HF), per step
   [ -n "$m" ] && cp "$m" "$OUT/${name}_ours_metrics.jsonl"
+}
+plan_lines() {  # shape, name: the memory plan our run printed before it loaded a model
+  grep -h "memory plan" -A12 "/tmp/bench/ours-$1-vllm.log" > "$OUT/$2_plan.txt" 2>/dev/null; cut -c1-200 "$OUT/$2_plan.txt"
 }
 prompts() {  # /tmp/prompts.jsonl: the bench's copy-task prompts (random-weight models: the length reward scores them)
   $PY -c "from bench.grpo_step import _prompt_file; _prompt_file('/tmp')"
@@ -286,8 +287,9 @@ i19ref7)  # the reference command's flags on one GPU at 7B, with --adam_offload 
   free -g | tee -a "$OUT/summary.txt"
   ;;
 i19ref3)  # the reference command's flags at 3B, micro-batches of 64 as in the issue
-  LOGS=0 LIMIT=${LIMIT3:-360} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT3:-360} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps ${STEPS3:-5} \
     --ours_flags "--vllm_sync_backend $SYNC $REF"
+  plan_lines 3b ref_3b
   ;;
 i20)  # issue 20 on one GPU: the 0.5B equal-work bench, ours synchronous (vLLM colocated at 0.3, the hybrid engine
   # without sleep) and with --async_train on the same placement (engine and trainer resident on the one GPU), then TRL
@@ -321,6 +323,8 @@ i21d)  # issue 19: the reference flags at 7B with partial Adam offload, a few st
   [ -d /tmp/bench/model-7b ] || $PY bench/make_model.py --shape 7b --out /tmp/bench/model-7b > /dev/null 2>&1
   LOGS=0 LIMIT=${LIMIT7:-420} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
     --steps ${STEPS7:-2} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
+  plan_lines 7b ref_7b
+  free -g | tee -a "$OUT/summary.txt"
   ;;
 i22a)  # issue 19, next: equal work at 0.5B and 1.5B with compiled blocks and fp32 weights under autocast (micro 32)
   for sh in ${SHAPES:-0.5b 1.5b}; do
@@ -341,21 +345,6 @@ i23a)  # issue 19: equal work, 0.5B with compiled blocks under autocast (the spe
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --torch_compile --micro_rollout_batch_size 16 ${OURS:-}"
   LOGS=0 LIMIT=${LIMIT15:-290} bench eq_15b --shape 1.5b --vllm --gradient_checkpointing --micro_batch 32 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
-  ;;
-i24ref3)  # issue 19: the reference flags at 3B with the engines started before the models (vLLM's KV cache line kept)
-  LOGS=0 LIMIT=${LIMITR:-270} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps 4 \
-    --ours_flags "--vllm_sync_backend $SYNC $REF"
-  grep -hE "KV cache|free memory|memory plan|Memory profiling" -A1 /tmp/bench/ours-3b-vllm.log | head -40 > "$OUT/ref_3b_kv.txt"
-  cat "$OUT/ref_3b_kv.txt" | cut -c1-300
-  ;;
-i24ref7)  # issue 19: the reference flags at 7B (partial Adam offload), each process's peak against the plan
-  [ -d /tmp/bench/model-7b ] || $PY bench/make_model.py --shape 7b --out /tmp/bench/model-7b > /dev/null 2>&1
-  LOGS=0 LIMIT=${LIMIT7:-420} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
-    --steps ${STEPS7:-2} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
-  grep -hE "KV cache|free memory|memory plan|Memory profiling" -A1 /tmp/bench/ours-7b-vllm.log | head -40 > "$OUT/ref_7b_kv.txt"
-  grep -h "memory plan" -A12 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_plan.txt" 2>/dev/null
-  tail -c 4000 /tmp/bench/ours-7b-vllm.log > "$OUT/ref_7b_log_tail.txt"
-  free -g | tee -a "$OUT/summary.txt"
   ;;
 *) echo "usage: $0 dpo_rm|grpo|ppo|check|x2|tp2|diag|bench|train|bench_hf|static|decode|mfu|memplan|..." >&2; exit 2 ;;
 esac

@@ -131,7 +131,7 @@ class RLRun(HybridEngine):
         # loading on the same GPU meanwhile shrinks it (3B, reference flags: 21 of the planned 41.9 GiB on
         # 2026-12-03). On a shared GPU the engines start first, asleep under --vllm_enable_sleep while the
         # models load (OpenRLHF's order); on their own GPUs, or on CPU, they start while the models load.
-        first = plan.use_gpu and any(self.roles[r].group == plan.vllm_group for r in specs if r not in hosted)
+        first = plan.use_gpu and plan.vllm_group in {self.roles[r].group for r in specs}
         if first:
             self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)
             self.vllm_sleep("sleep", a["vllm_sleep_level"])
