@@ -144,12 +144,6 @@ def local_device_index(gpu_ids: list, visible: str | None) -> int:
     return int(gpu)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class BaseWorker:
     """Mixin for worker actor classes: sets the env that joins the role's torch.distributed group.
 
@@ -157,14 +151,17 @@ class BaseWorker:
     `super().__init__(role, rank, world_size, master_addr, master_port)`. They join the group with
     `common.ds.setup_distributed()` in a later method (e.g. `init_model`), never in `__init__`: rank
     0 answers `node_address` before the other ranks exist, so joining in `__init__` would deadlock.
-    Rank 0 is created with master_addr=None and picks its own node's address and a free port.
+    Rank 0 is created with master_addr=None: it serves the group's store on its node (`host_store`).
     """
 
     def __init__(self, role: str, rank: int, world_size: int, master_addr: str | None, master_port: int | None):
         import ray
 
         if master_addr is None:
-            master_addr, master_port = ray.util.get_node_ip_address(), _free_port()
+            from common.dist import host_store
+
+            master_addr = ray.util.get_node_ip_address()
+            master_port = host_store(master_addr)[1]
         self.role, self.rank, self.world_size = role, rank, world_size
         self._master = (master_addr, int(master_port))
         gpu_ids = ray.get_gpu_ids()

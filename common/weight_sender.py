@@ -22,17 +22,20 @@ class WeightSender:
         named = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self._named_params()]
         return plan_buckets(named, bucket_mb, self.dtype)
 
-    def sync_address(self) -> tuple[str, int]:
+    def sync_address(self, timeout_s: float) -> tuple[str, int]:
+        """Where the weight-sync group meets: a store this rank serves from now on (`host_store`)."""
         import ray
 
-        from common.ray_groups import _free_port
+        from common.dist import host_store
 
-        return ray.util.get_node_ip_address(), _free_port()
+        addr = ray.util.get_node_ip_address()
+        self._sync_store, port = host_store(addr, timeout_s)
+        return addr, port
 
     def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         from common.weight_sync import join_group
 
-        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s)
+        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s, getattr(self, "_sync_store", None))
 
     def send_weights(self, transport: str, buckets: list, senders: int = 1) -> list:
         """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.

@@ -92,15 +92,17 @@ def unpack(flat, bucket: Bucket) -> list:
 
 
 # ---------------------------------------------------------------- collectives (nccl, gloo)
-def join_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float):
+def join_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float, served=None):
     """A process group of its own (actor rank 0 = rank 0, engine i = rank i + 1), beside the
-    default group that DeepSpeed or vLLM already made in the same process."""
+    default group that DeepSpeed or vLLM already made in the same process. `served`: the store at
+    addr:port when this process serves it (rank 0), else every rank connects as a client."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("hybridrl-weight-sync", dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout))
+    store = served or dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    store = dist.PrefixStore("hybridrl-weight-sync", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     opts = dist.ProcessGroupNCCL.Options()
@@ -154,7 +156,7 @@ class WeightSync:
                             "fewer engines")
         self.buckets = get(actor_group.actors[0].weight_plan.remote(bucket_mb), timeout_s, "actor weight plan")
         if transport in COLLECTIVE:  # actor rank 0 is rank 0; worker j of engine i is 1 + i x tp + j
-            addr, port = get(actor_group.actors[0].sync_address.remote(), timeout_s, "actor weight-sync address")
+            addr, port = get(actor_group.actors[0].sync_address.remote(timeout_s), timeout_s, "actor weight-sync address")
             world = 1 + len(engines) * tp
             refs = [actor_group.actors[0].join_sync_group.remote(transport, addr, port, 0, world, timeout_s)]
             refs += [e.join_sync_group.remote(transport, addr, port, 1 + i * tp, world, timeout_s)

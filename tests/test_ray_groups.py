@@ -1,6 +1,7 @@
 """Ray role groups on a real local Ray: gloo all-reduce inside a group, colocated roles, failures."""
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
@@ -100,6 +101,11 @@ def test_two_colocated_groups_each_all_reduce(colocated):
     assert {e["LOCAL_RANK"] for e in envs} == {"0"}
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == actor.master[0]
     assert envs[1]["MASTER_PORT"] == str(actor.master[1]) != str(ref.master[1])
+    # Rank 0 holds its rendezvous port from the moment it picked it, so no other socket on the host can
+    # take it before the group forms (a picked-then-released port was taken in CI: EADDRINUSE).
+    for _, port in (actor.master, ref.master):
+        with socket.socket() as s, pytest.raises(OSError, match="in use"):
+            s.bind(("", port))
     # Join both worlds at once: the two roles' process groups are independent.
     refs = actor.async_call("init_dist") + ref.async_call("init_dist")
     assert ray.get(refs, timeout=120) == [2, 2, 2, 2]
