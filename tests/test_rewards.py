@@ -111,8 +111,9 @@ def test_score_function_raises():
 def test_score_wrong_count_raises_even_with_skip_bad():
     fn = lambda p, c, l: [1.0, 0.0, 1.0]  # noqa: E731
     for skip in (False, True):
-        with pytest.raises(UserError, match="returned 3 scores for 4 completions"):
+        with pytest.raises(UserError, match="returned 3 scores for 4 completions") as e:
             score_with_function(fn, PROMPTS, COMPLETIONS, LABELS, skip_bad=skip)
+        assert repr(PROMPTS[0]) in str(e.value) and __file__ in str(e.value)
     with pytest.raises(UserError, match="returned float instead of a list"):
         score_with_function(lambda p, c, l: 1.0, PROMPTS, COMPLETIONS, LABELS)
 

@@ -20,10 +20,27 @@ def _fifths(rows, key="rollout/reward_mean"):
     return sum(vals[:k]) / k, sum(vals[-k:]) / k
 
 
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    """{script: save_path} of the built-in default (12 steps) with a checkpoint at step 6, run once per script
+    for the learning-curve test and as the uninterrupted run that the resume test repeats from step 6."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            out = str(tmp_path_factory.mktemp(name.removesuffix(".py")) / "run")
+            p = script(name, "--save_path", out, *DEFAULT_FLAGS)
+            runs[name] = (out, p)
+        return runs[name]
+    return get
+
+
+DEFAULT_FLAGS = ["--max_steps", "12", "--eval_steps", "6", "--save_steps", "6"]
+
+
 @pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
-def test_builtin_default_reward_rises(tmp_path, ray_head, name):
-    out = str(tmp_path / "run")
-    p = script(name, "--save_path", out, "--max_steps", "12", "--eval_steps", "6")
+def test_builtin_default_reward_rises(ray_head, default_runs, name):
+    out, p = default_runs(name)
     assert "positions" not in p.stdout + p.stderr  # short prompts on a 512-position model: nothing to warn of
     rows = metrics(out)
     assert [r["step"] for r in rows if "eval/reward_mean" in r] == [6, 12]
@@ -41,15 +58,17 @@ def test_builtin_default_reward_rises(tmp_path, ray_head, name):
 
 
 @pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, name):
-    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    flags = ["--max_steps", "4", "--save_steps", "2", "--eval_steps", "-1", *SMALL[name]]
-    script(name, "--save_path", full, *flags)
-    script(name, "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint", *flags)
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_runs, name):
+    """From the default run's step-6 checkpoint (weights, optimizer, schedule, data position, RNG, the
+    adaptive KL and the best-checkpoint state), steps 7-12 train exactly as they did uninterrupted."""
+    full, _ = default_runs(name)
+    resumed = str(tmp_path / "resumed")
+    script(name, "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint",
+           *DEFAULT_FLAGS)
     keep = lambda rows: [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]  # noqa: E731
     a, b = keep(metrics(full)), keep(metrics(resumed))
-    assert [r["step"] for r in metrics(resumed)] == [3, 4]
-    assert a[2:] == b
+    assert [r["step"] for r in metrics(resumed)] == list(range(7, 13))
+    assert a[6:] == b
 
 
 @pytest.mark.parametrize("name,flags", [
@@ -194,18 +213,16 @@ def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, 
     assert a == b
 
 
-@pytest.mark.parametrize("body,expect", [
-    ("raise ValueError('scorer broke')", "scorer broke"),
-    ("return [float('nan')] * len(completions)", "nan"),
-    ("return [1.0]", "returned 1 score"),
-])
-def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file, body, expect):
-    fn = tmp_path / "bad_reward.py"
-    fn.write_text(f"def reward_func(prompts, completions, labels):\n    {body}\n")
+def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file):
+    """A reward function that raises ends the run with exit code 2 and one message naming the file, the
+    error and the prompt. Its other bad replies (NaN, a wrong count, non-numbers, a hang) take the same way
+    out of the same check, common.rewards.score_with_function, whose messages tests/test_rewards.py reads."""
+    fn, expect = tmp_path / "bad_reward.py", "raised ValueError: scorer broke"
+    fn.write_text("def reward_func(prompts, completions, labels):\n    raise ValueError('scorer broke')\n")
     p = script("train_grpo.py", "--save_path", str(tmp_path / "run"), "--reward_func", str(fn),
                *_prompt_flags(prompt_file), check=False)
     assert p.returncode == 2, p.stderr[-3000:]
-    assert expect in p.stderr and "Repeat:" in p.stderr, p.stderr[-3000:]
+    assert expect in p.stderr and str(fn) in p.stderr and "Repeat:" in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
 
 
