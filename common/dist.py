@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,12 +22,6 @@ class DistInfo:
     local_rank: int
     device: torch.device
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _hosted: list = []  # the rendezvous stores this process serves: alive as long as the process

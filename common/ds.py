@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.dist import DistInfo, free_port, quiet_libraries, setup_distributed  # noqa: F401 (ds.setup_distributed)
+from common.dist import DistInfo, quiet_libraries, setup_distributed  # noqa: F401 (ds.setup_distributed)
 from common.errors import UserError
 from common.updates import SkipNonfinite
 

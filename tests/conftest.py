@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers import PY, env
+from tests.helpers import PY, env, free_port
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +30,6 @@ def ray_head(tmp_path_factory):
     `--block` keeps `ray start` in the foreground, so the teardown can stop this cluster alone:
     `ray stop` would kill every Ray process on the machine, other sessions' clusters included.
     """
-    from common.ds import free_port
-
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
     ray_bin = os.path.join(os.path.dirname(PY), "ray")

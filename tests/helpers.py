@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -17,6 +18,13 @@ def env() -> dict:
     e["PYTHONUNBUFFERED"] = "1"
     e["COLUMNS"] = "200"  # rich wraps --help at the terminal width
     return e
+
+
+def free_port() -> int:
+    """A port free now, for a server started right after (`ray start --port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(args: list[str], timeout: float = 600, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:

@@ -107,7 +107,7 @@ def _run(tmp_path, world: int, micros: tuple) -> dict:
     e = env() | {"PYTHONPATH": ROOT}
     cmd = [PY, str(code)] if world == 1 else [
         PY, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1",
-        "--master_port", str(29500 + os.getpid() % 1000), str(code)]
+        "--master_port", str(30000 + os.getpid() % 1000), str(code)]  # apart from the fixed 295xx of other files
     p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import PY, ROOT, env, metrics
+from tests.helpers import PY, ROOT, env, free_port, metrics
 from tests.test_rl import REFERENCE_PPO
 
 TAG = "HYBRIDRL_TEST_RUN"  # set in a driver's environment; every Ray process it starts inherits it
@@ -59,8 +59,6 @@ def _driver_env(tag: str) -> dict:
 @pytest.fixture(scope="module")
 def two_cpu_cluster(tmp_path_factory):
     """`ray start --head --num-cpus 2`, the newcomer's cluster; stopped by its own `--block` process."""
-    from common.ds import free_port
-
     port, temp = free_port(), tmp_path_factory.mktemp("ray2")
     e = env() | {"RAY_AUTH_MODE": "disabled"}
     log = open(temp / "start.log", "w+")

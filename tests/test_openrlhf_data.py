@@ -261,9 +261,8 @@ def test_cosine_with_min_lr_decays_to_min_lr_ratio_after_a_ceil_warmup():
     """OpenRLHF: ceil(0.05 x 10) = 1 warm-up step, then cosine from lr to lr x --min_lr_ratio."""
     import math
 
-    from common.ds import free_port
-
-    e = dict(env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    # a world of one, as `python train_*.py` makes it (common.dist.setup_distributed)
+    e = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     p = subprocess.run([sys.executable, "-c", SCHEDULE], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     lrs = json.loads(p.stdout.strip().splitlines()[-1])
