@@ -286,4 +286,5 @@ class RLRun(HybridEngine):
             g.shutdown()
         for e in self.engines:
             ray.kill(e)
+        ray.shutdown()  # now rather than at exit, where the interpreter first waits on Ray's threads (~0.5 s)
 
