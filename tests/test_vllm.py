@@ -450,8 +450,6 @@ PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_
 @pytest.mark.parametrize("name,engines,flags", [
     # a tensor-parallel engine in a group of its own (one bundle of two cores)
     ("train_ppo.py", 1, PPO_SMALL + ["--vllm_tensor_parallel_size", "2"]),
-    # the other CPU transport end to end; IS weights taken in the training forward (one step per rollout)
-    ("train_ppo.py", 2, PPO_SMALL + ["--vllm_sync_backend", "ray", "--enable_vllm_is_correction"]),
 ])
 def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     out = str(tmp_path / "run")
@@ -487,17 +485,23 @@ def _trained(rows: list[dict]) -> list[dict]:
 def test_async_queue_size_0_is_the_synchronous_loop(tmp_path, ray_head):
     """Depth 0 generates, then trains: the same samples and losses as without --async_train (PPO,
     whose script shares the loop's lines with GRPO's), here with the engine colocated with the
-    trainer (which OpenRLHF refuses with --async_train; allowed without the sleep flags)."""
-    flags = ["--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "3", "--eval_steps", "-1", *PPO_SMALL]
+    trainer (which OpenRLHF refuses with --async_train; allowed without the sleep flags). The
+    synchronous run is also the end-to-end check of the other CPU transport (ray, against gloo in the
+    queued run: the same weights arrive) and of IS weights taken in the training forward (one
+    optimizer step per rollout)."""
+    flags = ["--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "3", "--eval_steps", "-1",
+             "--logprob_diff_steps", "1", "--enable_vllm_is_correction", *PPO_SMALL]
     sync, queued = str(tmp_path / "sync"), str(tmp_path / "queued")
     t0 = time.perf_counter()
-    script("train_ppo.py", "--save_path", sync, *flags)
+    script("train_ppo.py", "--save_path", sync, *flags, "--vllm_sync_backend", "ray")
+    worst = _check_engine_metrics(metrics(sync), 3, is_correction=True)
     script("train_ppo.py", "--save_path", queued, *flags, "--async_train", "--async_queue_size", "0",
            "--colocate_all_models")
     a, b = _trained(metrics(sync)), _trained(metrics(queued))
     assert all(r["rollout/staleness_max"] == 0 for r in b)
     assert [{k: r[k] for k in ra} for ra, r in zip(a, b)] == a
-    print(f"PPO sync vs --async_queue_size 0: {time.perf_counter() - t0:.0f} s")
+    print(f"PPO sync (ray transport) vs --async_queue_size 0 (gloo): {time.perf_counter() - t0:.0f} s, "
+          f"max logprob_diff {worst:.1e}")
 
 
 def test_grpo_partial_rollout_runs_with_bounded_staleness(tmp_path, ray_head):
