@@ -461,10 +461,10 @@ def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
 
 
-@pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
-@pytest.mark.parametrize("flags,flag", [
-    (["--vllm_enable_sleep", "--colocate_all_models", "--vllm_num_engines", "1"], "--vllm_enable_sleep"),
-    (["--deepspeed_enable_sleep"], "--deepspeed_enable_sleep"),
+# each flag with one script: both scripts refuse them in common.rl_run, before Ray
+@pytest.mark.parametrize("name,flags,flag", [
+    ("train_grpo.py", ["--vllm_enable_sleep", "--colocate_all_models", "--vllm_num_engines", "1"], "--vllm_enable_sleep"),
+    ("train_ppo.py", ["--deepspeed_enable_sleep"], "--deepspeed_enable_sleep"),
 ])
 def test_sleep_flags_stop_a_cpu_run_at_start(tmp_path, name, flags, flag):
     out = tmp_path / "run"
