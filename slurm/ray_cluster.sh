@@ -49,15 +49,9 @@ _RAY_TIME_UP=0    # 1 once the time-limit warning (USR1) has come
 # get 2 min instead of 30 s to register with their raylet before it gives up on the node.
 export RAY_agent_register_timeout_ms=${RAY_agent_register_timeout_ms:-120000}
 
-# N distinct free ports on this node, one per line (held open together so they differ).
-_ray_free_ports() {
-  "${PYTHON:-python}" -c '
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks:
-    s.bind(("", 0))
-print("\n".join(str(s.getsockname()[1]) for s in socks))' "${1:-1}"
-}
+# N distinct free ports on this node, one per line, below the ephemeral range (slurm/free_ports.py says why).
+_RAY_FREE_PORTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/free_ports.py
+_ray_free_ports() { "${PYTHON:-python}" "$_RAY_FREE_PORTS" "${1:-1}"; }
 
 # The IPv4 address of NET_IFNAME on this node; empty (Ray picks) when unset or not found.
 _ray_node_ip() {

@@ -33,8 +33,7 @@ source slurm/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # Rank 0's rendezvous: the batch script runs on the job's first node, so a port free here is free there.
 MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}" | head -n 1)
-free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
-MASTER_PORT=${MASTER_PORT:-$(free_port)}
+MASTER_PORT=${MASTER_PORT:-$("$PYTHON" slurm/free_ports.py 1)}
 export MASTER_ADDR MASTER_PORT
 
 ARGS=(${PRETRAIN:+--pretrain "$PRETRAIN"} ${DATASET:+--dataset "$DATASET"}
