@@ -35,7 +35,8 @@ class WeightSender:
     def join_sync_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         from common.weight_sync import join_group
 
-        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s, getattr(self, "_sync_store", None))
+        self._sync_group = join_group(backend, addr, port, rank, world, timeout_s,
+                                      self._sync_store if rank == 0 else None)
 
     def send_weights(self, transport: str, buckets: list, senders: int = 1) -> list:
         """Every rank gathers (ZeRO-3 is collective); rank 0 sends each bucket in the engines' dtype.

@@ -15,7 +15,8 @@ import sys
 FIRST = 20000
 
 
-def main(n: int) -> None:
+def free_ports(n: int) -> list[int]:
+    """N distinct ports free now (released on return), as the module's docstring says."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
@@ -37,8 +38,11 @@ def main(n: int) -> None:
         s = socket.socket()
         s.bind(("", 0))
         held.append(s)
-    print("\n".join(str(s.getsockname()[1]) for s in held))
+    ports = [s.getsockname()[1] for s in held]
+    for s in held:
+        s.close()
+    return ports
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    print("\n".join(map(str, free_ports(int(sys.argv[1]) if len(sys.argv) > 1 else 1))))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,10 +20,14 @@ def env() -> dict:
 
 
 def free_port() -> int:
-    """A port free now, for a server started right after (`ray start --port`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a server started right after (`ray start --port`): the Slurm templates' pick,
+    below the ephemeral range (slurm/free_ports.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("free_ports", os.path.join(ROOT, "slurm", "free_ports.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.free_ports(1)[0]
 
 
 def run(args: list[str], timeout: float = 600, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
