@@ -2,8 +2,9 @@
 
     python bench/make_model.py --shape 0.5b --out /tmp/q05            # causal LM, Qwen2.5-0.5B shape
     python bench/make_model.py --shape 0.5b --out /tmp/q05rm --reward # the same body with a scalar head
+    python bench/make_model.py --shape 8b --out /tmp/l8b --config-only # config.json + tokenizer: --dry_run's memory plan
 
-No download: the config is written here (Qwen2.5 0.5B / 1.5B / 3B / 7B dimensions), the weights are random
+No download: the config is written here (Qwen2.5 0.5B / 1.5B / 3B / 7B dimensions; 8b: Llama-3-8B's), the weights are random
 (seeded) and the tokenizer is the built-in tiny one (ids past its 512 tokens decode to nothing,
 which is fine for timing: rewards then come from a reward model, not from text).
 """
@@ -26,7 +27,7 @@ SHAPES = {
 
 
 def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed: int = 0, config_only: bool = False):
-    """--config_only: config.json and the tokenizer, no weights (enough for --dry_run and the memory plan)."""
+    """--config-only: config.json and the tokenizer, no weights (enough for --dry_run and the memory plan)."""
     import os
 
     import torch

@@ -1,6 +1,6 @@
 """GPU memory that DeepSpeed sleep (`offload_states`) frees, state by state, for the actor's engine.
 
-    python bench/ds_sleep_memory.py --model /tmp/q05 --zero_stage 3 --out ds_sleep_z3.json
+    python dev/probes/ds_sleep_memory.py --model /tmp/q05 --zero-stage 3 --out ds_sleep_z3.json
 
 Builds the actor exactly as the scripts do (common.ds, bf16, DeepSpeed's FusedAdam, which
 `offload_states` needs), runs one training step so every state exists, then offloads one state type
@@ -16,7 +16,7 @@ import time
 
 import typer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(model: str = "/tmp/q05", zero_stage: int = 3, micro_batch: int = 8, seq_len: int = 320, out: str = ""):

@@ -1,7 +1,7 @@
 """What a process held on the GPU at its peak, from a memory history (HYBRIDRL_MEMORY_SNAPSHOT, common.gpu_memory).
 
     HYBRIDRL_MEMORY_SNAPSHOT=/tmp/snap python train_grpo.py ...   # each worker dumps /tmp/snap/{role}-rank{r}.pickle
-    python bench/mem_peak.py /tmp/snap/actor-rank0.pickle --top 25
+    python dev/probes/mem_peak.py /tmp/snap/actor-rank0.pickle --top 25
 
 Replays the allocations and frees torch recorded and, at the moment the allocated bytes peaked, groups the
 live tensors by the first frame of ours, DeepSpeed's, transformers' or torch's own modules that made them

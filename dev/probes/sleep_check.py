@@ -1,6 +1,6 @@
 """Does a vLLM sleep/wake cycle change greedy outputs? (GPU only: vLLM-CPU cannot sleep.)
 
-    python bench/sleep_check.py --model /tmp/q05
+    python dev/probes/sleep_check.py --model /tmp/q05
 
 Greedy-generates fixed prompts, then for sleep level 1 (weights kept in CPU memory) and level 2
 (weights dropped, reloaded from the same tensors as a weight sync does) compares the outputs after

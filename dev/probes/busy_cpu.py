@@ -1,7 +1,7 @@
 """train_dpo.py's step time on an idle CPU and beside one competing CPU-bound process.
 
-    flock /tmp/cpu.lock .venv/bin/python bench/busy_cpu.py              # the figure in docs/performance.md
-    flock /tmp/cpu.lock .venv/bin/python bench/busy_cpu.py --env GOMP_SPINCOUNT=300000   # libgomp's default
+    flock /tmp/cpu.lock .venv/bin/python dev/probes/busy_cpu.py              # the figure in docs/performance.md
+    flock /tmp/cpu.lock .venv/bin/python dev/probes/busy_cpu.py --env GOMP_SPINCOUNT=300000   # libgomp's default
 
 Each case runs `train_dpo.py --max_steps N` on the built-in tiny model and reports the median
 `time/step_s` (steps 3..N: the first two include warm-up) and the wall time of the whole run. The
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(steps: int, env: dict, busy: bool) -> tuple[float, float, str]:

@@ -1,6 +1,6 @@
 """Does CUDA IPC work from memory in expandable segments? (GPU; a check before the runs that need it.)
 
-    python bench/ipc_check.py     # prints "ipc with expandable segments: ok" and exits 0, or says what failed
+    python dev/probes/ipc_check.py     # prints "ipc with expandable segments: ok" and exits 0, or says what failed
 
 The DeepSpeed workers allocate with PyTorch's expandable_segments (common.ds.use_expandable_segments), and the
 actor hands its weight buckets to a vLLM engine on the same GPU by CUDA IPC (common.weight_sync.share). This
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 

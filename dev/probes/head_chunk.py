@@ -2,7 +2,7 @@
 log-probs from the whole logits against log-probs from the last hidden state in chunks
 (`common.logprobs.head_stats`, the RL workers' default on a GPU): peak memory, time, and the gap.
 
-    python bench/head_chunk.py --shape 0.5b --rows 64 --seq 290 --out head_chunk.json
+    python dev/probes/head_chunk.py --shape 0.5b --rows 64 --seq 290 --out head_chunk.json
 
 Needs only torch and transformers (no vLLM, DeepSpeed or Ray): a GPU check of the path the bundles'
 runs take, figures in docs/performance.md.
@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(shape: str = "0.5b", rows: int = 64, seq: int = 290, chunk: int = 4096, reps: int = 3,

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Issue #21: the reference commands at their real shape on one node of several GPUs, and async across
-# GPUs. Each mode is one device call on the kind it names, from the repo root, after the bundles are
-# installed (../shared/gpu/README.md); figures land in $OUT for docs/gpu-figures.md.
-#   bash bench/multi_gpu_runs.sh ppo8     # x8: the reference PPO command verbatim (critic, RM, reference, 4 engines x TP 2,
+# The reference commands at their real shape on one node of several GPUs, and async across GPUs.
+# Each mode fits one 10-minute run on the machine it names (x8: 8 GPUs, x2: 2), from the repo root with
+# the vllm extra installed (make install EXTRAS=vllm,test); figures land in $OUT for docs/performance.md.
+#   bash dev/multi_gpu_runs.sh ppo8     # x8: the reference PPO command verbatim (critic, RM, reference, 4 engines x TP 2,
 #                                         #     colocated, both sleep modes, ZeRO-3, bf16, packing), Llama-3-8B shape
-#   bash bench/multi_gpu_runs.sh grpo8    # x8: the reference GRPO command, the same shape
-#   bash bench/multi_gpu_runs.sh async8   # x8: GRPO, 4 GPUs training + 4 GPUs of engines: synchronous, then --async_train
-#   bash bench/multi_gpu_runs.sh async2   # x2: GRPO, 1.5B shape, the engine on one GPU, training on the other: sync vs async
+#   bash dev/multi_gpu_runs.sh grpo8    # x8: the reference GRPO command, the same shape
+#   bash dev/multi_gpu_runs.sh async8   # x8: GRPO, 4 GPUs training + 4 GPUs of engines: synchronous, then --async_train
+#   bash dev/multi_gpu_runs.sh async2   # x2: GRPO, 1.5B shape, the engine on one GPU, training on the other: sync vs async
 # DRY=1 runs each mode's commands with --dry_run on any machine (a CPU too): config-only models, the
 # resource plan and the memory plan per GPU, no weights (tests/test_cli.py runs them so).
 # Env: STEPS (default 6: the first, then 5 measured), ROLLOUT (prompts per step; default the reference's 1024),
-#      GEN (--generate_max_len; default the reference's 1024), OUT, PY.
+#      GEN (--generate_max_len; default the reference's 1024), OUT, PY, WORK (scratch: models, runs, logs; /tmp).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=${WORK:-/tmp}; OUT=${OUT:-$WORK/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # Ray workers import common/ from here
-export HF_HUB_OFFLINE=1 HYBRIDRL_CACHE=/tmp/hrl-cache TORCH_EXTENSIONS_DIR=/tmp/torch-ext PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HYBRIDRL_CACHE=$WORK/hrl-cache TORCH_EXTENSIONS_DIR=$WORK/torch-ext PYTHONUNBUFFERED=1
 export VLLM_ALLOW_INSECURE_SERIALIZATION=1
 PY=${PY:-python3}; DRY=${DRY:-0}; STEPS=${STEPS:-6}; ROLLOUT=${ROLLOUT:-1024}; GEN=${GEN:-1024}
-MODELS=${MODELS:-/tmp/models}
+MODELS=${MODELS:-$WORK/models}
 
 model() {  # shape, name, [--reward]: a random-weight model of that shape (config only for a dry run)
   local dir=$MODELS/$2
@@ -28,19 +28,20 @@ model() {  # shape, name, [--reward]: a random-weight model of that shape (confi
 
 run() {  # name, script, flags...: the run's metrics and log tail, or the dry run's plan
   local name=$1; shift
-  local t0=$SECONDS extra=(--max_steps "$STEPS" --eval_steps -1 --save_path "/tmp/runs/$name")
+  rm -rf "$WORK/runs/$name"  # a mode run again in one session: the scripts refuse a folder holding a run
+  local t0=$SECONDS extra=(--max_steps "$STEPS" --eval_steps -1 --save_path "$WORK/runs/$name")
   [ "$DRY" = 1 ] && extra+=(--dry_run)
-  timeout "${LIMIT:-560}" $PY "$@" "${extra[@]}" > "/tmp/runs-$name.log" 2>&1
+  timeout "${LIMIT:-560}" $PY "$@" "${extra[@]}" > "$WORK/runs-$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   mkdir -p "$OUT/$name"
-  cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
-  tail -c 20000 "/tmp/runs-$name.log" > "$OUT/$name/log.txt"
-  [ "$DRY" = 1 ] && cat "/tmp/runs-$name.log"
+  cp "$WORK/runs/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
+  tail -c 20000 "$WORK/runs-$name.log" > "$OUT/$name/log.txt"
+  [ "$DRY" = 1 ] && cat "$WORK/runs-$name.log"
   return $rc
 }
 
-# The reference document's flags (../shared/seed/openrlhf-training.txt), models swapped for random
+# The reference commands' flags (README, docs/openrlhf.md), models swapped for random
 # weights of the same shape; only --rollout_batch_size and --generate_max_len may be scaled (ROLLOUT, GEN).
 reference() {  # actor model, reward model
   echo --ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8 \
@@ -86,5 +87,5 @@ case "${1:-}" in
     run async2_sync train_grpo.py "${flags[@]}"
     run async2_async train_grpo.py "${flags[@]}" --async_train
     ;;
-  *) echo "usage: bash bench/multi_gpu_runs.sh ppo8|grpo8|async8|async2   (DRY=1 for the plans only)"; exit 2 ;;
+  *) echo "usage: bash dev/multi_gpu_runs.sh ppo8|grpo8|async8|async2   (DRY=1 for the plans only)"; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """Token log-probs and entropy from full-vocabulary logits: fused (torch.compile) against eager blocks.
 
-    python bench/logprob_kernel.py --rows 64 --cols 320 --vocab 151936
+    python dev/probes/logprob_kernel.py --rows 64 --cols 320 --vocab 151936
 
 Times `common.logprobs.token_stats` forward, and forward + backward, on bf16 logits of the training
 phase's shape (64 sequences x 320 tokens x Qwen2.5's vocabulary), once with the compiled kernels
@@ -17,7 +17,7 @@ import time
 
 import typer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(rows: int = 64, cols: int = 320, vocab: int = 151936, check_rows: int = 4):

@@ -1,7 +1,7 @@
 """Where `rollout/logprob_diff` comes from: vLLM's sampled-token log-probs against the trainer's, per way of
-computing the trainer's, on one model (GPU; issue 19 item 4).
+computing the trainer's, on one model (GPU).
 
-    python bench/logprob_gap.py --model /tmp/bench/model-3b --out gap.json
+    python dev/probes/logprob_gap.py --model /tmp/bench/model-3b --out gap.json
 
 vLLM (bf16, the scripts' engine settings: its processed log-probs, temperature 1) samples `--rows` rows of
 `--new_tokens` tokens; then the same rows go through the policy as the trainer runs it, one way at a time:
@@ -23,7 +23,7 @@ from typing import Annotated
 
 import typer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
