@@ -24,8 +24,15 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str, clamp: fl
     k3 = exp(-log_ratio) - 1 + log_ratio (unbiased and never negative). Each estimate is clamped
     to [-clamp, clamp], as OpenRLHF does: one token the reference finds near-impossible (k3 grows
     like exp) would otherwise swamp a sequence's reward.
+
+    The log-ratio itself is clamped first, to +-(clamp + 10): each estimate reaches +-clamp before
+    the log-ratio reaches +-(clamp + 1), so no value changes (OpenRLHF's values, for every input
+    where they are finite), but nothing overflows. Without it k3's exp overflowed below a log-ratio
+    of about -89 in fp32 and its gradient became 0 * inf = NaN behind the clamp (k2's likewise at
+    fp32's largest values).
     """
-    log_ratio = _f(logp) - _f(ref_logp)
+    bound = clamp + 10.0
+    log_ratio = (_f(logp) - _f(ref_logp)).clamp(-bound, bound)
     if kind == "k1":
         kl = log_ratio
     elif kind == "k2":
@@ -97,12 +104,16 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
 
     std is the population std (divides by the token count), its variance floored at `eps` as
     OpenRLHF does. `std_norm=False` only subtracts the mean (--no_advantage_std_norm); with
-    `shift_mean=False` the mean is added back, so only the scale changes.
+    `shift_mean=False` the mean is added back, so only the scale changes. A batch whose valid values
+    all tie gives exactly 0 (before the mean is added back), as tied groups do in `group_advantages`:
+    the computed mean of copies of a value the dtype cannot hold (2/3, 0.1) is off by a rounding
+    error, which the division by the floored std would scale up (to 6e-4 for 20 tokens of 2/3 in fp32).
     """
     x, valid = _f(x), mask.bool()
     count = valid.sum().clamp_min(1)
     mean = torch.where(valid, x, 0.0).sum() / count
-    out = x - mean
+    tied = torch.where(valid, x, torch.inf).amin() == torch.where(valid, x, -torch.inf).amax()
+    out = torch.where(tied, 0.0, x - mean)
     if std_norm:
         var = torch.where(valid, out ** 2, 0.0).sum() / count
         out = out * torch.rsqrt(var.clamp_min(eps))
@@ -126,12 +137,17 @@ def group_advantages(
 
     Scores come in consecutive blocks of n samples per prompt. kind:
     group_norm: s - group mean, divided by (group std + eps) when `std_norm` (GRPO; eps 1e-9 as
-    OpenRLHF, TRL uses 1e-4: a group whose scores all tie gets 0 either way);
+    OpenRLHF, TRL uses 1e-4), else only mean-centred (--no_advantage_std_norm);
     dr_grpo: s - group mean, never divided by the std (Dr. GRPO);
     rloo: s - mean of the other n - 1 samples (leave-one-out);
     reinforce_baseline: s - group mean; the caller then whitens over the batch (REINFORCE++-baseline).
     The group std is the unbiased one (divides by n - 1), as in the GRPO implementations people
     compare against.
+
+    A group whose scores all tie gets exactly 0, whatever the kind and dtype. The formula alone
+    does not give that: the computed mean of n copies of a value the dtype cannot hold (2/3, 0.1)
+    is off by a rounding error, which group_norm divides by a std of that size plus 1e-9 (in fp32:
+    0.92 for a lone group of 2/3, 60 in a batch of them; OpenRLHF's formula does the same).
     """
     if kind not in GROUP_KINDS:
         raise ValueError(f"unknown advantage estimator {kind!r}; choose one of {', '.join(GROUP_KINDS)}")
@@ -147,7 +163,8 @@ def group_advantages(
         adv = s - mean
         if kind == "group_norm" and std_norm:
             adv = adv / (s.std(-1, unbiased=True, keepdim=True) + eps)
-    return adv.reshape(-1)
+    tied = (s == s[:, :1]).all(-1, keepdim=True)
+    return torch.where(tied, 0.0, adv).reshape(-1)
 
 
 def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -166,7 +183,8 @@ def rl_advantages(
     returns), [B, T], 0 on padding. Both RL scripts call this, so their estimators agree.
 
     1. Group estimators first replace each score by its group-relative value (`group_advantages`;
-       group_norm always divides by the group std, --no_advantage_std_norm does not apply to it).
+       a group whose scores tie gets 0). group_norm divides by the group std unless std_norm is
+       False (--no_advantage_std_norm, which in OpenRLHF's code reaches the whitening only).
     2. The result is clipped to `reward_clip` (--reward_clip_range) and becomes the reward of the
        sequence's last valid token, with -kl_coef * KL_t on every token t (`token_rewards`).
     3. gae: GAE over `values` [B, T]; every other estimator: the undiscounted reward-to-go, so token t's
@@ -174,11 +192,14 @@ def rl_advantages(
        for the group estimators, whose A_seq is a sequence-level quantity).
     4. gae, reinforce and reinforce_baseline are then whitened over the batch's valid tokens
        (mean only with std_norm False); group_norm, dr_grpo and rloo keep their scale.
+    dr_grpo and rloo never divide by a std, so std_norm False is refused with them rather than ignored.
     """
     if estimator in GROUP_KINDS:
         if gamma != 1.0:
             raise ValueError(f"the {estimator} estimator needs gamma 1, got {gamma}")
-        shaped = group_advantages(scores, n, estimator)
+        if not std_norm and estimator in ("dr_grpo", "rloo"):
+            raise ValueError(f"the {estimator} estimator never divides by a std; std_norm False changes nothing")
+        shaped = group_advantages(scores, n, estimator, std_norm=std_norm)
     elif estimator in ("gae", "reinforce"):
         shaped = _f(scores)
     else:

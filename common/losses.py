@@ -126,6 +126,11 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str, *, step_tokens: 
 
 
 IS_KINDS = ("tis", "icepop", "seq-mask-tis")
+# A ratio is exp of at most this log-ratio (e^20 ~ 5e8): past it the gradient would overflow.
+MAX_LOG_RATIO = 20.0
+# A token's log-ratio is held within this before a sequence sums or averages it, so the sum stays
+# finite (a difference of two finite fp32 log-probs may not be); no real log-prob gap comes near it.
+TOKEN_LOG_RATIO_BOUND = 1e6
 
 
 def sampler_gap(logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
@@ -136,29 +141,34 @@ def sampler_gap(logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
     logp, gen_logp, mask: [B, T]. `correction` = (kind, low, high) with w = exp(logp - gen_logp):
     tis: w clamped to [low, high] (truncated IS); icepop: w where low <= w <= high, else 0 (token
     mask); seq-mask-tis: w, but 0 on whole sequences whose geometric-mean ratio
-    exp(mean_t log w) lies outside [low, high]. Returns ({"logprob_diff": mean |gap|, "prob_ratio":
-    mean exp(gap), "vllm_kl": mean(gen - logp)[, "is_weight_mean", "is_clipped_frac" or
-    "is_masked_frac"]}, weights [B, T] or None without a correction); all means over valid tokens.
+    exp(mean_t log w) lies outside [low, high] (OpenRLHF's three kinds at 76351db1; w is capped at
+    e^20). Returns ({"logprob_diff": mean |gap|, "prob_ratio": mean exp(gap), "vllm_kl":
+    mean(gen - logp)[, "is_weight_mean", and "is_clipped_frac" (tis) or "is_masked_token_frac"
+    (icepop, seq-mask-tis), and with seq-mask-tis "is_masked_seq_frac"]}, weights [B, T] or None
+    without a correction). All are means over valid tokens, except is_masked_seq_frac: the share of
+    sequences (with a valid token) that seq-mask-tis zeroed, the unit it decides on.
     """
-    gap = _f(logp.detach()) - _f(gen_logp)
+    gap = (_f(logp.detach()) - _f(gen_logp)).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
     stats = {"logprob_diff": masked_mean(gap.abs(), mask).item(), "prob_ratio": masked_mean(gap.exp(), mask).item(),
              "vllm_kl": masked_mean(-gap, mask).item()}
     if correction is None:
         return stats, None
     kind, low, high = correction
-    w = gap.clamp(max=20.0).exp()  # a gap past e^20 is a broken sampler; keep the weights finite
+    w = gap.clamp(max=MAX_LOG_RATIO).exp()  # a gap past e^20 is a broken sampler; keep the weights finite
     if kind == "tis":
         weights = w.clamp(low, high)
         stats["is_clipped_frac"] = masked_mean(((w < low) | (w > high)).float(), mask).item()
     elif kind == "icepop":
         keep = (w >= low) & (w <= high)
         weights = torch.where(keep, w, 0.0)
-        stats["is_masked_frac"] = masked_mean((~keep).float(), mask).item()
+        stats["is_masked_token_frac"] = masked_mean((~keep).float(), mask).item()
     elif kind == "seq-mask-tis":
         seq = masked_mean(gap, mask, dim=-1).exp()
-        keep = ((seq >= low) & (seq <= high))[:, None].expand_as(w)
+        keep_seq = (seq >= low) & (seq <= high)
+        keep = keep_seq[:, None].expand_as(w)
         weights = torch.where(keep, w, 0.0)
-        stats["is_masked_frac"] = masked_mean((~keep).float(), mask).item()
+        stats["is_masked_token_frac"] = masked_mean((~keep).float(), mask).item()
+        stats["is_masked_seq_frac"] = masked_mean((~keep_seq).float(), mask.bool().any(-1)).item()
     else:
         raise ValueError(f"unknown IS correction {kind!r}; choose one of {', '.join(IS_KINDS)}")
     weights = torch.where(mask.bool(), weights, 0.0)
@@ -183,14 +193,17 @@ def policy_loss(
     """PPO clipped surrogate with asymmetric clip range (DAPO's clip-higher) and optional dual clip,
     or GSPO's sequence-level ratio.
 
-    All tensors [B, T]. ppo: ratio = exp(logp - old_logp) per token (log-ratio clamped to +-20);
-    gspo (Zheng et al. 2025): one ratio per sequence, exp(mean over its tokens of logp - old_logp),
-    taken against the sampler's log-probs `gen_logp` instead when given (the IS-corrected variant),
-    the same ratio on each of its tokens. Per-token loss -min(ratio * A, clip(ratio, 1 - eps_low,
-    1 + eps_high) * A); with `dual_clip` = c > 1 the loss of tokens with A < 0 is further capped at
-    -c * A (Ye et al. 2020). `is_weights` (sampler_gap's) multiply the per-token loss as constants
-    (ppo only, as OpenRLHF). `agg` and `agg_kw` go to `aggregate`: the result is this micro-batch's
-    share of the step's loss.
+    All tensors [B, T]. ppo: ratio = exp(logp - old_logp) per token (log-ratio clamped to +-20, as
+    OpenRLHF's later loss); gspo (Zheng et al. 2025): one ratio per sequence, exp(mean over its
+    tokens of logp - old_logp), taken against the sampler's log-probs `gen_logp` instead when given
+    (OpenRLHF's IS-corrected variant; TRL keeps the ratio against old_logp and multiplies the loss by
+    the sampler's IS weights instead), the same ratio on each of its tokens. The sequence's mean
+    log-ratio is clamped to +-20, not each token's: a token past 20 still counts in full, as in
+    OpenRLHF and TRL (which clamp nothing there), and exp stays finite. Per-token loss
+    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A); with `dual_clip` = c > 1 the loss
+    of tokens with A < 0 is further capped at -c * A (Ye et al. 2020). `is_weights` (sampler_gap's)
+    multiply the per-token loss as constants (ppo only, as OpenRLHF). `agg` and `agg_kw` go to
+    `aggregate`: the result is this micro-batch's share of the step's loss.
 
     Returns (loss, clip_frac, approx_kl), scalars: clip_frac is the fraction of valid tokens where
     the clipped branch set the loss; approx_kl is the k3 estimate of KL(old || new), detached.
@@ -198,12 +211,14 @@ def policy_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     A = _f(advantages)
-    log_ratio = (_f(logp) - _f(old_logp)).clamp(-20.0, 20.0)
+    log_ratio = (_f(logp) - _f(old_logp)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if loss_type == "ppo":
         ratio = torch.exp(log_ratio)
     elif loss_type == "gspo":
-        seq_lr = log_ratio if gen_logp is None else (_f(logp) - _f(gen_logp)).clamp(-20.0, 20.0)
-        ratio = torch.exp(masked_mean(seq_lr, mask, dim=-1))[:, None].expand_as(A)
+        base = old_logp if gen_logp is None else gen_logp
+        token_lr = (_f(logp) - _f(base)).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
+        seq_lr = masked_mean(token_lr, mask, dim=-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ratio = torch.exp(seq_lr)[:, None].expand_as(A)
         is_weights = None
     else:
         raise ValueError(f"unknown policy loss type {loss_type!r}; choose ppo or gspo")

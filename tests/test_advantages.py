@@ -51,6 +51,40 @@ def test_kl_estimators_match_formulas():
         A.kl_estimate(logp, ref, "k4")
 
 
+FMAX = torch.finfo(torch.float32).max
+EXTREMES = [1e4, -1e4, 88.0, -88.0, 89.0, -89.0, 1e30, -1e30, FMAX, -FMAX]
+
+
+def _naive_kl(kind, d):
+    """Schulman's estimator of one log-ratio in Python floats, clamped to [-10, 10] (OpenRLHF's)."""
+    if kind == "k1":
+        v = d
+    elif kind == "k2":
+        v = d * d / 2 if abs(d) < 1e150 else math.inf
+    else:
+        v = (math.exp(-d) if -d < 700 else math.inf) - 1 + d
+    return min(max(v, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("kind", A.KL_KINDS)
+def test_kl_estimates_have_no_nan_value_or_gradient_at_extreme_log_ratios(kind):
+    """k3's exp overflowed below a log-ratio of about -89 in fp32 and its gradient was 0 * inf = NaN;
+    now every finite pair of log-probs gives OpenRLHF's clamped value and a finite gradient."""
+    d, z = torch.tensor(EXTREMES), torch.zeros(len(EXTREMES))
+    for lp, ref in [(d, z), (z, d), (torch.tensor([FMAX, -FMAX]), torch.tensor([-FMAX, FMAX]))]:
+        lp = lp.clone().requires_grad_()
+        got = A.kl_estimate(lp[None], ref[None], kind)[0]
+        got.sum().backward()
+        ref_vals = [_naive_kl(kind, float(x) - float(y)) for x, y in zip(lp.tolist(), ref.tolist())]
+        assert got.tolist() == pytest.approx(ref_vals, rel=1e-6), (kind, lp, ref)
+        # every extreme is past the clamp: no gradient at all, rather than NaN
+        assert (lp.grad == 0).all(), (kind, lp.grad)
+    # inside the clamp the gradient is the formula's: d/dx of exp(-x) - 1 + x is 1 - exp(-x)
+    x = torch.tensor([-1.5, 0.3, 4.0], requires_grad=True)
+    A.kl_estimate(x, torch.zeros(3), "k3").sum().backward()
+    assert x.grad.tolist() == pytest.approx([1 - math.exp(1.5), 1 - math.exp(-0.3), 1 - math.exp(-4.0)], rel=1e-5)
+
+
 def test_token_rewards_put_score_on_last_valid_token():
     mask, kl, scores = make_mask(LENGTHS), rand_bt(), torch.randn(len(LENGTHS))
     kl[mask == 0] = float("inf")  # padding garbage must not leak
@@ -185,6 +219,54 @@ def test_group_all_equal():
     assert A.group_all_equal(s, 1).tolist() == [True] * 6
 
 
+TIES = [2 / 3, 0.1, 0.7, 1 / 3, 0.2, -0.1, 1.0]  # most of them no float holds exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kind", A.GROUP_KINDS)
+def test_tied_groups_get_exactly_zero_and_the_others_match_a_loop(kind, dtype):
+    """The mean of n copies of 2/3 in fp32 is off by a rounding error, which group_norm divided by a
+    std of that size + 1e-9: 0.92 for a lone group, 60 in a batch (OpenRLHF's formula). A tied group
+    now gets exactly 0 with every estimator and dtype; the other groups still follow the formula."""
+    for n in (3, 7, 8):
+        free = torch.randn(2 * n, dtype=torch.float64).to(dtype)
+        s = torch.cat([free[:n], torch.tensor([v for v in TIES for _ in range(n)], dtype=dtype), free[n:]])
+        for std_norm in (True, False):
+            got = A.group_advantages(s, n, kind, std_norm=std_norm)
+            for p in range(len(s) // n):
+                g = [float(x) for x in s[p * n:(p + 1) * n]]
+                mean = sum(g) / n
+                for i, x in enumerate(g):
+                    if len(set(g)) == 1:
+                        assert got[p * n + i].item() == 0.0, (kind, dtype, n, g)
+                        continue
+                    if kind == "rloo":
+                        ref = x - (sum(g) - x) / (n - 1)
+                    elif kind == "group_norm" and std_norm:
+                        ref = (x - mean) / (statistics.stdev(g) + 1e-9)
+                    else:
+                        ref = x - mean
+                    assert got[p * n + i].item() == pytest.approx(ref, abs=1e-5)
+        for v in TIES:  # a lone group
+            assert (A.group_advantages(torch.full((n,), v, dtype=dtype), n, kind) == 0).all(), (kind, dtype, n, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_batch_whose_values_all_tie_whitens_to_exactly_zero(dtype):
+    """Whitening divides by the batch std (variance floored at 1e-8), so the mean's rounding error on a
+    tied batch became up to 6e-4; now 0, and so are reinforce's advantages when every score ties."""
+    mask = make_mask(LENGTHS)
+    for v in TIES:
+        x = torch.full((len(LENGTHS), T), v, dtype=dtype)
+        x[mask == 0] = 5.0  # padding does not count
+        for std_norm in (True, False):
+            assert (A.whiten(x, mask, std_norm=std_norm) == 0).all(), (dtype, v, std_norm)
+        scores = torch.full((len(LENGTHS),), v, dtype=dtype)
+        for est, n in (("reinforce", 1), ("reinforce_baseline", len(LENGTHS)), ("group_norm", len(LENGTHS))):
+            adv, _ = A.rl_advantages(scores, torch.zeros(len(LENGTHS), T), mask, estimator=est, n=n, kl_coef=0.0)
+            assert (adv == 0).all(), (dtype, v, est)
+
+
 # ---- every estimator end to end: scores and KL in, token advantages out (rl_advantages) ----------
 
 def _naive_estimator(scores, kl, lengths, *, estimator, n, beta, clip=(-10.0, 10.0), std_norm=True,
@@ -193,14 +275,17 @@ def _naive_estimator(scores, kl, lengths, *, estimator, n, beta, clip=(-10.0, 10
     Dr. GRPO and REINFORCE++-baseline: r - mean; RLOO: r - mean of the others; reinforce/gae: r),
     clipped, then token t's advantage A_i - beta * sum_{k >= t} KL_k (REINFORCE++: the KL is a
     per-token reward and the return accumulates it to the end), or GAE on the per-token rewards;
-    gae, reinforce and reinforce_baseline are then whitened over all valid tokens."""
+    gae, reinforce and reinforce_baseline are then whitened over all valid tokens. std_norm False:
+    GRPO's A_i is r - mean, and the whitening only subtracts the mean. A tied group's A_i is 0."""
     B = len(lengths)
     seq = []
     for i in range(B):
         g = [float(x) for x in scores[(i // n) * n:(i // n + 1) * n]]
         r, mean = float(scores[i]), statistics.fmean(g)
-        if estimator == "group_norm":
-            a = (r - mean) / (statistics.stdev(g) + 1e-9)
+        if estimator in A.GROUP_KINDS and len(set(g)) == 1:
+            a = 0.0
+        elif estimator == "group_norm":
+            a = (r - mean) / (statistics.stdev(g) + 1e-9) if std_norm else r - mean
         elif estimator in ("dr_grpo", "reinforce_baseline"):
             a = r - mean
         elif estimator == "rloo":
@@ -258,6 +343,50 @@ def test_reward_clip_and_std_norm_and_gamma():
                                       std_norm=False))
     with pytest.raises(ValueError, match="gamma 1"):
         A.rl_advantages(scores, kl, mask, estimator="group_norm", n=n, kl_coef=0.0, gamma=0.9)
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "reinforce_baseline", "reinforce", "gae"])
+def test_no_advantage_std_norm_matches_a_loop(estimator):
+    """--no_advantage_std_norm: group_norm's advantage is r - group mean (it used to be divided by the
+    group std all the same); gae, reinforce and reinforce_baseline are only mean-centred over the batch."""
+    n, lengths = 4, [6, 1, 4, 3, 5, 2, 6, 0]
+    mask = make_mask(lengths)
+    scores, kl, values = torch.rand(len(lengths)) * 2, rand8() * 0.3, rand8()
+    scores[4:] = 2 / 3  # one tied group
+    got, _ = A.rl_advantages(scores, kl, mask, estimator=estimator, n=n, kl_coef=0.1, values=values, lambd=0.9,
+                             std_norm=False)
+    assert_rows(got, _naive_estimator(scores, kl, lengths, estimator=estimator, n=n, beta=0.1, values=values,
+                                      lambd=0.9, std_norm=False), atol=1e-4)
+    if estimator == "group_norm":
+        with_std, _ = A.rl_advantages(scores, kl, mask, estimator=estimator, n=n, kl_coef=0.1)
+        assert not torch.allclose(got, with_std)
+
+
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo"])
+def test_no_std_norm_is_refused_by_the_estimators_without_a_std(estimator):
+    mask = make_mask([2, 3, 1, 2])
+    with pytest.raises(ValueError, match="never divides by a std"):
+        A.rl_advantages(torch.rand(4), torch.zeros(4, T), mask, estimator=estimator, n=2, kl_coef=0.0, std_norm=False)
+
+
+@pytest.mark.parametrize("name", ["train_grpo", "train_ppo"])
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo"])
+def test_both_rl_scripts_refuse_no_advantage_std_norm_where_it_changes_nothing(name, estimator, monkeypatch, tmp_path):
+    """Exit 2 with the reason and the change to make, before anything loads; group_norm takes the flag."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    module = importlib.import_module(name)
+    trained = []
+    monkeypatch.setattr(module, "train", lambda a, *rest: trained.append(a))
+    run = lambda *flags: CliRunner().invoke(module.app, [*flags, "--save_path", str(tmp_path / "o")])  # noqa: E731
+    r = run("--advantage_estimator", estimator, "--no_advantage_std_norm")
+    assert r.exit_code == 2 and not trained, r.output
+    assert f"--no_advantage_std_norm with --advantage_estimator {estimator}" in r.output
+    assert "never divided by a std" in r.output and "drop it" in r.output
+    r = run("--advantage_estimator", "group_norm", "--no_advantage_std_norm")
+    assert r.exit_code == 0 and trained[-1]["no_advantage_std_norm"], r.output
 
 
 def test_length_penalties_match_dapo_and_prorl():

@@ -256,7 +256,20 @@ def test_sampler_gap_and_is_corrections_match_a_loop_over_valid_tokens(kind):
             else:
                 ref = r if low <= seq_ratio <= high else 0.0
             assert float(w[i, t]) == pytest.approx(ref, rel=1e-5)
-    assert 0 < (stats.get("is_clipped_frac") or stats.get("is_masked_frac")) < 1  # the bounds bite here
+    # the shares each kind logs, in the unit its name says: valid tokens, or sequences for seq-mask-tis
+    ratios = [[math.exp(float(logp[i, t] - gen[i, t])) for t in range(5) if mask[i, t]] for i in range(4)]
+    outside = [[not low <= r <= high for r in row] for row in ratios]
+    geo_out = [not low <= math.exp(sum(math.log(r) for r in row) / len(row)) <= high for row in ratios]
+    tokens = sum(len(row) for row in ratios)
+    if kind == "tis":
+        expect = {"is_clipped_frac": sum(map(sum, outside)) / tokens}
+    elif kind == "icepop":
+        expect = {"is_masked_token_frac": sum(map(sum, outside)) / tokens}
+    else:
+        expect = {"is_masked_token_frac": sum(len(row) for row, o in zip(ratios, geo_out) if o) / tokens,
+                  "is_masked_seq_frac": sum(geo_out) / len(ratios)}
+    assert {k: stats[k] for k in stats if k.startswith("is_") and k != "is_weight_mean"} == pytest.approx(expect)
+    assert all(0 < v < 1 for v in expect.values())  # the bounds bite here
     assert L.sampler_gap(logp, gen, mask)[1] is None and "is_weight_mean" not in L.sampler_gap(logp, gen, mask)[0]
 
 
@@ -293,3 +306,119 @@ def test_aggregate_with_the_step_counts_gives_shares_that_add_up():
         parts = L.aggregate(loss[:1], mask[:1], mode, **counts) + L.aggregate(loss[1:, :2], mask[1:, :2], mode, **counts)
         assert parts.item() == pytest.approx(whole.item()), mode
     assert L.aggregate(loss, mask, "seq_mean_token_sum_norm", norm_len=8).item() == pytest.approx((10 + 10 + 12) / 8 / 3)
+
+
+# ---- extreme log-ratios, and the peers' GSPO and sequence-mask formulas ----------------------------
+
+FMAX = torch.finfo(torch.float32).max
+EXTREMES = [1e4, -1e4, 88.0, -88.0, 89.0, -89.0, 1e30, -1e30, FMAX, -FMAX]
+
+
+def _extreme_pairs():
+    """(logp, other) [B, T] whose differences are the extremes: all in one sequence, both ways, one
+    per sequence, and finite log-probs whose difference overflows fp32."""
+    d = torch.tensor(EXTREMES)
+    z = torch.zeros_like(d)
+    yield d[None], z[None]
+    yield z[None], d[None]
+    yield d[:, None], z[:, None]
+    yield torch.tensor([[FMAX, -FMAX, 0.5]]), torch.tensor([[-FMAX, FMAX, 0.0]])
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+@pytest.mark.parametrize("correction", [None, "tis", "icepop", "seq-mask-tis"])
+def test_no_nan_value_or_gradient_at_extreme_log_ratios(loss_type, correction):
+    """Every ratio here (PPO's, GSPO's, the IS weights of each correction) stays finite, and so do the
+    loss, its gradient and the logged statistics, for any finite log-probs."""
+    agg = "seq_mean_token_mean" if loss_type == "gspo" else "token_mean"
+    for base, other in _extreme_pairs():
+        mask = torch.ones_like(base)
+        A = torch.tensor([1.0, -1.0]).repeat(base.numel())[:base.numel()].view_as(base)
+        for fresh in (False, True):  # the old log-probs: the extreme ones, or this forward's own
+            logp = base.clone().requires_grad_()
+            old = logp.detach() if fresh else other
+            stats, w = L.sampler_gap(logp, other, mask, None if correction is None else (correction, 0.5, 5.0))
+            assert not any(math.isnan(v) for v in stats.values()), stats
+            assert w is None or torch.isfinite(w).all(), w
+            loss, clip_frac, kl = L.policy_loss(logp, old, A, mask, 0.2, 0.28, dual_clip=3.0, agg=agg, is_weights=w,
+                                                loss_type=loss_type, gen_logp=None if correction is None else other)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(clip_frac) and torch.isfinite(kl), (loss, clip_frac, kl)
+            assert torch.isfinite(logp.grad).all(), logp.grad
+
+
+def test_gspo_counts_a_token_past_20_in_full_as_openrlhf_and_trl():
+    """OpenRLHF and TRL take exp of the sequence's mean log-ratio as it is; a token at 30 in a sequence
+    of 8 (mean 3.9) counts in full here too. Clamping each token to 20 first, as this used to, cut it
+    to 20 and its gradient to 0. Only the mean is clamped, to 20, where theirs overflows."""
+    lr = torch.tensor([[30.0, 0.1, -0.2, 0.3, 0.0, 0.1, 0.2, 0.5]])
+    mask, A = torch.ones(1, 8), torch.full((1, 8), -1.0)  # A < 0: the unclipped branch, so the ratio's gradient shows
+    logp, peer_lp = lr.clone().requires_grad_(), lr.clone().requires_grad_()
+    loss, _, _ = L.policy_loss(logp, torch.zeros(1, 8), A, mask, 0.2, 0.2, agg="seq_mean_token_mean", loss_type="gspo")
+    s = torch.exp(peer_lp.sum() / 8)
+    peer = -torch.minimum(-s, -s.clamp(0.8, 1.2))
+    g, = torch.autograd.grad(loss, logp)
+    g_peer, = torch.autograd.grad(peer, peer_lp)
+    assert loss.item() == pytest.approx(peer.item(), rel=1e-6)
+    assert torch.allclose(g, g_peer, rtol=1e-5) and g[0, 0] > 0
+    far = torch.full((1, 8), 25.0, requires_grad=True)  # a mean past 20: e^20, no gradient, nothing infinite
+    loss, _, _ = L.policy_loss(far, torch.zeros(1, 8), A, mask, 0.2, 0.2, agg="seq_mean_token_mean", loss_type="gspo")
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-5) and (far.grad == 0).all()
+
+
+def test_gspo_with_is_correction_is_openrlhfs_and_meets_trls_when_the_sampler_agrees():
+    """gspo with --enable_vllm_is_correction, as OpenRLHF: the sequence ratio against the engines'
+    log-probs, no IS weight on the loss. TRL (importance_sampling_level="sequence" with its vLLM
+    correction) keeps the ratio against the old log-probs and multiplies the loss by the IS weight of
+    old vs sampler (default sequence_mask: exp of the summed log-ratio, zeroed above 3). Both are
+    written out here: they agree when the engines' log-probs are the trainer's, and differ otherwise."""
+    torch.manual_seed(5)
+    lengths = [3, 5, 4]
+    mask = make_mask(lengths, 5)
+    logp = (torch.randn(3, 5) * 0.1 - 1).requires_grad_()
+    old = logp.detach()  # one optimizer step per rollout (TRL: per_token_logps.detach())
+    A = torch.tensor([1.0, -2.0, 0.5])[:, None].expand(3, 5)
+
+    def gspo(base, i, n):
+        s = torch.exp(sum(logp[i, t] - base[i, t] for t in range(n)) / n)
+        return -torch.minimum(s * A[i, 0], s.clamp(0.8, 1.2) * A[i, 0])
+
+    def openrlhf(gen):
+        return sum(gspo(gen, i, n) for i, n in enumerate(lengths)) / len(lengths)
+
+    def trl(gen):
+        out = 0.0
+        for i, n in enumerate(lengths):
+            w = math.exp(sum(float(old[i, t] - gen[i, t]) for t in range(n)))
+            out = out + gspo(old, i, n) * (w if w <= 3.0 else 0.0)
+        return out / len(lengths)
+
+    for gen, agree in ((old.clone(), True), (old - 0.3 * torch.rand(3, 5), False)):
+        _, w = L.sampler_gap(old, gen, mask, ("tis", 0.5, 5.0))
+        ours, _, _ = L.policy_loss(logp, old, A, mask, 0.2, 0.2, agg="seq_mean_token_mean", is_weights=w,
+                                   loss_type="gspo", gen_logp=gen)
+        for peer, same in ((openrlhf(gen), True), (trl(gen), agree)):
+            g, = torch.autograd.grad(ours, logp, retain_graph=True)
+            g_peer, = torch.autograd.grad(peer, logp, retain_graph=True)
+            if same:
+                assert ours.item() == pytest.approx(peer.item(), abs=1e-6) and torch.allclose(g, g_peer, atol=1e-6)
+            else:
+                assert abs(ours.item() - peer.item()) > 1e-2
+
+
+def test_seq_mask_tis_filters_by_the_geometric_mean_as_openrlhf_not_by_trls_product():
+    """seq-mask-tis (OpenRLHF): a sequence is kept when exp(mean of its log-ratios) is inside
+    [low, high], and each kept token weighs its own (untruncated) ratio. TRL's sequence_mask takes
+    exp(sum), the product of the token ratios, as the filter and as every token's weight. A response
+    of 10 tokens with a gap of 0.1 on each: e^0.1 is kept here, e^1 = 2.7 > 2 is masked by TRL."""
+    gen = -torch.rand(2, 10)
+    logp = gen + torch.tensor([[0.1], [-0.1]])
+    logp[1, 0] += 2.0  # row 1: one token at 1.9, nine at -0.1: the same mean, 0.1
+    stats, w = L.sampler_gap(logp, gen, torch.ones(2, 10), ("seq-mask-tis", 0.5, 2.0))
+    for i in range(2):
+        gaps = [float(logp[i, t] - gen[i, t]) for t in range(10)]
+        assert 0.5 <= math.exp(sum(gaps) / 10) <= 2.0  # kept here ...
+        assert w[i].tolist() == pytest.approx([math.exp(g) for g in gaps], rel=1e-5)  # 6.7 for row 1's first token
+        assert not 0.5 <= math.exp(sum(gaps)) <= 2.0  # ... masked by TRL's product
+    assert stats["is_masked_seq_frac"] == 0.0 and stats["is_masked_token_frac"] == 0.0
