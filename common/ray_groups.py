@@ -15,11 +15,12 @@ import logging
 import os
 import re
 import socket
+import sys
 import time
 
 from common import cpu_threads
 from common.errors import TrainingError, UserError
-from common.resources import Plan, RolePlan, check_fits
+from common.resources import Plan, RolePlan, check_fits, check_fits_here
 
 # Passed on to every worker: with it set, Ray leaves CUDA_VISIBLE_DEVICES alone (all GPUs of the
 # node visible), which lets colocated vLLM engines and trainers address devices by index.
@@ -36,9 +37,10 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Pla
     """Connect to Ray, or start a local one; return `ray.cluster_resources()`. Idempotent.
 
     An existing cluster is used when RAY_ADDRESS is set (`ray job submit` sets it) or a `ray start`
-    cluster runs on this machine. Otherwise a local cluster starts with `num_cpus` logical CPUs
-    (a CPU run needs one per worker; more than the physical cores is fine). With a `plan`, it is
-    checked against the cluster together with `drop` (`check_fits`), before a local one starts.
+    cluster runs on this machine (`_existing_cluster`). Otherwise a local cluster starts with `num_cpus`
+    logical CPUs (a CPU run needs one per worker; more than the physical cores is fine). With a `plan`,
+    it is checked together with `drop` against the cluster (`check_fits`), or, before a local one
+    starts, against this machine (`check_fits_here`).
     """
     import ray
 
@@ -46,22 +48,7 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Pla
         return ray.cluster_resources()
     env = {k: os.environ[k] for k in _WORKER_ENV if k in os.environ}
     kwargs = dict(log_to_driver=log_to_driver, runtime_env={"env_vars": env} if env else None)
-    try:
-        from ray._private.services import canonicalize_bootstrap_address
-
-        existing = canonicalize_bootstrap_address(None)
-    except ImportError:  # a Ray without this helper: only RAY_ADDRESS counts
-        existing = os.environ.get("RAY_ADDRESS") or None
-    if existing and not existing.startswith("ray://"):
-        # Ray retries an address nobody listens on for minutes; a plain TCP probe answers at once.
-        host, _, port = existing.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"nothing answers at the Ray address {existing} ({e}); check RAY_ADDRESS and that `ray status` "
-                f"shows the cluster, or unset RAY_ADDRESS to start a local Ray"
-            ) from None
+    existing = _existing_cluster()
     try:
         if existing:
             # No explicit address: Ray resolves the same one, and only then picks up the token of
@@ -71,8 +58,8 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Pla
             # A cluster of our own on this machine: no other client will join it, so Ray's token
             # auth (on by default since 2.60) only adds a warning line.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            if plan is not None:  # a cluster of our own is made to fit: only `drop` can refuse the run
-                check_fits(plan, None, drop)
+            if plan is not None:  # before any process starts: Ray would take any plan, this machine may not
+                check_fits_here(plan, drop)
             from common.ray_local import start_watcher
 
             temp = start_watcher()  # so that the cluster goes with this process, even after a SIGKILL
@@ -99,6 +86,51 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Pla
     if plan is not None:
         check_fits(plan, ray.cluster_resources(), drop)
     return ray.cluster_resources()
+
+
+def _existing_cluster() -> str | None:
+    """The address of the cluster to join, probed; None: start a local Ray.
+
+    RAY_ADDRESS when set; else (and with RAY_ADDRESS=auto) the cluster `ray start` recorded in Ray's
+    cluster file on this machine, which stays behind when that head dies without `ray stop`. A run not
+    given an address then starts a local Ray, saying so in one line; RAY_ADDRESS=auto, which asks for that
+    cluster, is refused naming the file.
+    """
+    given = os.environ.get("RAY_ADDRESS") or None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+        from ray._private.utils import get_ray_address_file, read_ray_address
+    except ImportError:  # a Ray without these helpers: only RAY_ADDRESS counts
+        address, recorded = given, None
+    else:
+        # The file is read here rather than by Ray's own lookup, which also logs every other Ray
+        # running on this machine and "Connecting to latest cluster at" a cluster we may not join.
+        recorded = get_ray_address_file(None)  # `ray start` writes it in RAY_TMPDIR (or TMPDIR, or /tmp) /ray
+        address = (read_ray_address() if given in (None, "auto") else None) or given
+        try:  # localhost becomes this node's IP; a Ray Client address (ray://) is Ray's to parse
+            address = canonicalize_bootstrap_address(address) if address and "://" not in address else address
+        except ConnectionError:  # RAY_ADDRESS=auto, and no cluster recorded or running here
+            raise UserError(f"RAY_ADDRESS=auto: no Ray cluster runs on this machine (none recorded in {recorded}); "
+                            "start one with `ray start --head`, or unset RAY_ADDRESS to start a local Ray") from None
+    if not address or address.startswith("ray://"):
+        return address
+    # Ray retries an address nobody listens on for minutes; a plain TCP probe answers at once.
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return address
+    except (OSError, ValueError) as e:
+        err = e
+    if given not in (None, "auto") or not (recorded and os.path.exists(recorded)):
+        raise UserError(
+            f"nothing answers at the Ray address {address} ({err}); check RAY_ADDRESS and that `ray status` "
+            f"shows the cluster, or unset RAY_ADDRESS to start a local Ray")
+    stale = f"{address}, the cluster recorded in {recorded} (a `ray start` head that stopped without `ray stop`)"
+    if given == "auto":
+        raise UserError(f"RAY_ADDRESS=auto: nothing answers at {stale} ({err}); start that cluster again, or "
+                        "unset RAY_ADDRESS to start a local Ray")
+    print(f"warning: nothing answers at {stale}: starting a local Ray for this run", file=sys.stderr, flush=True)
+    return None
 
 
 def create_placement_groups(plan: Plan, timeout_s: float = 60) -> dict:

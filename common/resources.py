@@ -13,16 +13,22 @@ Layout rules, with OpenRLHF's flag names:
   each takes 1/k of the GPU (and of the bundle's CPU) when k occupants share it;
 - on CPU (`use_gpu=False`) each "GPU per node" is one CPU worker (`--actor_num_gpus_per_node 0` and 1
   both mean one worker per node) and every bundle is {"CPU": 1}; a cluster too small for the plan
-  gets the README's CPU counts as the fix (`check_fits`).
+  gets the README's CPU counts as the fix (`check_fits`), and so does a plan with more worker
+  processes than a Ray of the run's own on this machine can hold (`check_fits_here`).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from common.errors import UserError
 
 ROLES = ("actor", "critic", "ref", "reward")
+# Worker processes a Ray of the run's own may start per CPU core. Each loads torch, DeepSpeed or vLLM and
+# its model, single-threaded, and mostly waits on the others (the tests run 8 on 2 cores); OpenRLHF's 8-GPU
+# hybrid command, 24 processes on 2 cores, spent minutes starting them and then ran out of memory.
+LOCAL_WORKERS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -211,13 +217,11 @@ def check_fits(plan: Plan, available: dict[str, float] | None, drop: list[tuple[
         parts = [(g.name, sum(b.get(key, 0.0) for b in g.bundles)) for g in plan.groups]
         parts = [(n, v) for n, v in parts if v]
         short = f"the plan needs {want:g} {label} ({', '.join(f'{n} {v:g}' for n, v in parts)}) but the Ray cluster has {have:g}"
-        changes = None if plan.use_gpu else _cpu_counts(plan, have)
+        changes = None if plan.use_gpu else _cpu_counts(plan, lambda p: p.total().get("CPU", 0.0) <= have + 1e-6)
         if changes is not None:
             raise UserError(
-                f"{short}. On a CPU each GPU of --*_num_gpus_per_node is a worker process on a logical CPU, so a CPU "
-                f"run takes the README's counts; this command needs all of: {', '.join(changes + dropped_list)}. "
-                f"Or start the cluster with more logical CPUs (`ray start --num-cpus {math.ceil(want)}`; CPU workers "
-                f"mostly wait on each other)")
+                f"{short}. {_COUNTS}{', '.join(changes + dropped_list)}. Or start the cluster with more logical CPUs "
+                f"(`ray start --num-cpus {math.ceil(want)}`; CPU workers mostly wait on each other)")
         biggest = max(reversed(parts), key=lambda p: p[1])[0]  # ties: not the actor's
         fixes = f"lower {' or '.join(_group_flags(plan, biggest))} or add nodes"
         if len(plan.groups) > 1:
@@ -230,9 +234,54 @@ def check_fits(plan: Plan, available: dict[str, float] | None, drop: list[tuple[
         raise UserError(f"on CPU: {dropped}")
 
 
-def _cpu_counts(plan: Plan, have: float) -> list[str] | None:
+def local_workers(plan: Plan) -> dict[str, int]:
+    """Worker processes of the plan by role ("vllm": the engines' workers), e.g. {"actor": 8, "critic": 8,
+    "vllm": 8}: a frozen role loaded into a trained role's processes (common.guests) starts none."""
+    from common.guests import hosts
+
+    hosted = hosts(plan)
+    out = {r.role: r.workers for r in plan.roles if r.role not in hosted}
+    if plan.vllm_engines:
+        out["vllm"] = plan.vllm_engines * plan.vllm_tp
+    return out
+
+
+def check_fits_here(plan: Plan, drop: list[tuple[str, str]] = (), cores: int | None = None) -> None:
+    """`check_fits` for a Ray of the run's own on this machine, before it starts: that Ray is made to fit
+    the plan's bundles, so on a GPU only `drop` can refuse; on a CPU the plan's worker processes must also
+    fit LOCAL_WORKERS_PER_CORE x this machine's `cores` (default: the ones this process may run on), else
+    UserError with the README's CPU counts and `drop`, as a cluster too small for the plan gets."""
+    if not plan.use_gpu:
+        if cores is None:  # a Slurm or container allocation limits the affinity, not os.cpu_count()
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        limit = LOCAL_WORKERS_PER_CORE * cores
+        workers = local_workers(plan)
+        if sum(workers.values()) > limit:
+            short = (f"the plan starts {sum(workers.values())} worker processes "
+                     f"({', '.join(f'{k} {v}' for k, v in workers.items())}) but a Ray of its own on this machine "
+                     f"runs at most {limit} ({LOCAL_WORKERS_PER_CORE} per CPU core, {cores} core{'s' * (cores > 1)}; "
+                     f"each loads torch and its model)")
+            elsewhere = "join a Ray cluster with room for them (RAY_ADDRESS=<head>:<port>)"
+            dropped = [f"drop {flag} ({why})" for flag, why in drop]
+            changes = _cpu_counts(plan, lambda p: sum(local_workers(p).values()) <= limit)
+            if changes is not None:
+                raise UserError(f"{short}. {_COUNTS}{', '.join(changes + dropped)}. Or {elsewhere}")
+            biggest = max(reversed(workers.items()), key=lambda kv: kv[1])[0]  # ties: not the actor's
+            fixes = [f"lower {'--vllm_num_engines' if biggest == 'vllm' else f'--{biggest}_num_nodes'}"]
+            if len(workers) > 1 and not plan.inputs.get("colocate_all_models"):
+                fixes.append("use --colocate_all_models")
+            raise UserError(f"{short}; {', '.join(fixes)}, or {elsewhere}"
+                            f"{'; and ' + '; '.join(dropped) if dropped else ''}")
+    check_fits(plan, None, drop)
+
+
+_COUNTS = ("On a CPU each GPU of --*_num_gpus_per_node is a worker process on a logical CPU, so a CPU run takes "
+           "the README's counts; this command needs all of: ")
+
+
+def _cpu_counts(plan: Plan, fits) -> list[str] | None:
     """The flags that give this command the README's CPU counts (1 worker per role and node, engines of
-    TP 1, all on the actor's bundles when it still does not fit), if that fits `have` CPUs."""
+    TP 1, all on the actor's bundles when it still does not fit), if then `fits(plan)`."""
     inp = plan.inputs
     ones = {r: (inp[r][0], min(inp[r][1], 1)) if inp.get(r) else None for r in ROLES}
     engines = inp.get("vllm_num_engines", 0)
@@ -242,7 +291,7 @@ def _cpu_counts(plan: Plan, have: float) -> list[str] | None:
             p = plan_resources(**{**inp, **ones, "vllm_num_engines": n, "vllm_tp": 1, "colocate_all_models": colocate})
         except UserError:
             continue
-        if p.total().get("CPU", 0.0) <= have + 1e-6:
+        if fits(p):
             out = [f"--{r}_num_gpus_per_node 1" for r in ROLES if inp.get(r) and inp[r][1] > 1]
             out += [f"--vllm_num_engines {n}"] if engines and n != engines else []
             out += ["--vllm_tensor_parallel_size 1"] if engines and inp["vllm_tp"] != 1 else []

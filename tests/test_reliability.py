@@ -1,18 +1,22 @@
-"""Faults: preemption, a kill during a save, dead workers, hung reward servers, NaN losses."""
+"""Faults: preemption, a kill during a save, dead workers, hung reward servers, NaN losses, a layout this
+machine cannot hold, a stale Ray cluster file."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.helpers import PY, ROOT, env, metrics, script
+from tests.helpers import PY, ROOT, env, free_port, metrics, script
 
 
 def _wait_for(pred, timeout, what):
@@ -24,7 +28,9 @@ def _wait_for(pred, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path):
+def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(tmp_path):
+    """Exit 143, what a shell reports for a command SIGTERM ended, not 0: `train_rm.py ... && train_ppo.py ...`
+    must not go on with a reward model that did not finish (slurm/ray_cluster.sh requeues on it)."""
     out = str(tmp_path / "rm")
     args = [PY, os.path.join(ROOT, "train_rm.py"), "--save_path", out, "--max_steps", "400", "--eval_steps", "-1"]
     p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -32,12 +38,19 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path):
     _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 3, 120, "a few steps")
     p.send_signal(signal.SIGTERM)  # what Slurm sends before preempting or requeueing a job
     text, _ = p.communicate(timeout=120)
-    assert p.returncode == 0, text[-2000:]
+    assert p.returncode == 143, text[-2000:]
     assert "SIGTERM: stopped after step" in text
+    assert text.splitlines()[-3:] == [  # the run's last lines: where its files went, and that no model did
+        f"metrics: {out}/metrics.jsonl", f"curves: {out}/curves.png",
+        f"model: not saved (stopped before the last step); --load_checkpoint resumes from {out}/checkpoints",
+    ], text[-2000:]
     done = [r["step"] for r in metrics(out)]
     ckpts = os.listdir(os.path.join(out, "checkpoints"))
     assert ckpts == [f"step{done[-1]:08d}"], (ckpts, done[-3:])
-    script("train_rm.py", "--save_path", out, "--max_steps", str(done[-1] + 2), "--eval_steps", "-1", "--load_checkpoint")
+    p = script("train_rm.py", "--save_path", out, "--max_steps", str(done[-1] + 2), "--eval_steps", "-1",
+               "--load_checkpoint")
+    assert p.stdout.splitlines()[-3:] == [f"metrics: {out}/metrics.jsonl", f"curves: {out}/curves.png",
+                                          f"reward model: {out}"], p.stdout[-2000:]
     steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, done[-1] + 3))  # continued, nothing repeated or lost
 
@@ -239,8 +252,8 @@ def test_a_killed_worker_ends_the_run_naming_it(tmp_path, ray_head):
 
 
 def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypatch):
-    """A stop for SIGTERM and a finished run both exit 0; slurm/ray_cluster.sh tells them apart by
-    the file it names in HYBRIDRL_STOPPED_FILE, which only a stopped run creates."""
+    """A stop for SIGTERM exits 143, as does a driver SIGTERM killed before it could save; slurm/ray_cluster.sh
+    tells them apart by the file it names in HYBRIDRL_STOPPED_FILE, which only a stop after its checkpoint creates."""
     import signal as sig
 
     from common.checkpoint import Preemption
@@ -312,3 +325,79 @@ def test_grad_norm_is_reported_and_clipped_alike_under_every_zero_stage(tmp_path
         assert r["norms"] == pytest.approx(rows[3]["norms"], rel=1e-5), r
         for w, w3 in zip(r["weights"], rows[3]["weights"]):
             assert w == pytest.approx(w3, rel=1e-5, abs=1e-7), r["stage"]
+
+
+@pytest.fixture
+def ray_tmpdir():
+    """An empty RAY_TMPDIR for a script: Ray's cluster file and session folders go there instead of /tmp/ray, which
+    other clusters on the machine use. Short, since Ray's socket paths inside it must stay under 108 bytes."""
+    path = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_layout_this_machine_cannot_hold_is_refused_before_any_process(tmp_path, ray_tmpdir):
+    """OpenRLHF's 8-GPU PPO command run as `python train_ppo.py` on a CPU: 24 worker processes for a Ray of its own,
+    against 4 per core of the 2 it may use. Refused in seconds with the README's counts, the message a too small
+    `ray start` cluster gives, before Ray or any other process starts; its --dry_run starts none either."""
+    from common.tiny import tiny_model_path
+    from tests.test_newcomer import TAG, _run_processes
+    from tests.test_rl import REFERENCE_GRPO, REFERENCE_PPO
+
+    model, tag, out = tiny_model_path(), uuid.uuid4().hex, tmp_path / "out"
+    e = env() | {"RAY_TMPDIR": ray_tmpdir, TAG: tag}
+    e.pop("RAY_ADDRESS", None)  # a Ray of the script's own, not the session's `ray start` one
+    cores = sorted(os.sched_getaffinity(0))[:2]  # the machine the message describes, whatever runs the test
+
+    def run(name: str, flags: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.monotonic()
+        p = subprocess.Popen([PY, os.path.join(ROOT, name), *flags.format(model=model, rm=model, out=out).split(),
+                              *extra], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
+        stdout, stderr = p.communicate(timeout=300)
+        assert not _run_processes(tag, p.pid), _run_processes(tag, p.pid)
+        return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), time.monotonic() - t0
+
+    for name, flags in (("train_ppo.py", REFERENCE_PPO), ("train_grpo.py", REFERENCE_GRPO)):
+        p, _ = run(name, flags, "--dry_run")
+        assert p.returncode == 0 and "total: 8 GPUs" in p.stdout, p.stderr[-2000:]
+    p, took = run("train_ppo.py", REFERENCE_PPO)
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    msg = errors[0]
+    assert (f"the plan starts 24 worker processes (actor 8, critic 8, vllm 8) but a Ray of its own on this machine "
+            f"runs at most {4 * len(cores)}") in msg, msg
+    for change in ("--actor_num_gpus_per_node 1", "--critic_num_gpus_per_node 1", "--ref_num_gpus_per_node 1",
+                   "--reward_num_gpus_per_node 1", "--vllm_num_engines 1", "--vllm_tensor_parallel_size 1",
+                   "drop --vllm_enable_sleep", "drop --deepspeed_enable_sleep"):
+        assert change in msg, (change, msg)
+    assert took < 60, took  # before Ray: seconds (5 s alone), not the minutes of starting 24 processes
+    assert os.listdir(ray_tmpdir) == [] and not out.exists()  # no Ray session, no run folder
+
+
+def test_a_stale_ray_cluster_file_gives_a_local_ray(tmp_path, ray_tmpdir):
+    """A `ray start` head that died leaves Ray's cluster file naming it. A run given no address starts a Ray of its
+    own, saying so in one line; RAY_ADDRESS=auto asks for that cluster, so it is refused naming the file."""
+    cluster_file = os.path.join(ray_tmpdir, "ray", "ray_current_cluster")
+    os.makedirs(os.path.dirname(cluster_file))
+    with open(cluster_file, "w") as f:
+        f.write(f"127.0.0.1:{free_port()}")  # nothing listens there
+    e = env() | {"RAY_TMPDIR": ray_tmpdir}
+    e.pop("RAY_ADDRESS", None)
+    out = str(tmp_path / "run")
+    p = subprocess.run([PY, os.path.join(ROOT, "train_grpo.py"), "--save_path", out, "--max_steps", "1",
+                        "--eval_steps", "-1", "--rollout_batch_size", "8"], cwd=ROOT, env=e, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if cluster_file in ln]
+    assert len(said) == 1 and said[0].startswith("warning: nothing answers at "), p.stderr[-3000:]
+    assert said[0].endswith("starting a local Ray for this run"), said
+    assert metrics(out)[-1]["step"] == 1
+    code = "from common.errors import exit_on_user_error\nfrom common.ray_groups import init_ray\n" \
+           "with exit_on_user_error():\n    init_ray()\n"
+    p = subprocess.run([PY, "-c", code], cwd=ROOT, env=e | {"RAY_ADDRESS": "auto"}, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.startswith("error: RAY_ADDRESS=auto: nothing answers at ") and cluster_file in p.stderr, p.stderr
+    assert os.path.exists(cluster_file)  # Ray's file, not ours to remove

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import UserError
-from common.resources import check_fits, plan_resources, plan_rows
+from common.resources import check_fits, check_fits_here, local_workers, plan_resources, plan_rows
 
 NO_COLOCATE = dict(colocate_actor_ref=False, colocate_critic_reward=False, colocate_all_models=False)
 
@@ -108,6 +108,39 @@ def test_check_fits_names_the_shortfall_and_the_fix():
         check_fits(plan(actor=(3, 0), use_gpu=False), {"CPU": 2.0})
     with pytest.raises(UserError, match="needs 8 GPUs .* has 0"):
         check_fits(plan(), {"CPU": 2.0})
+
+
+def test_a_local_ray_refuses_more_worker_processes_than_the_machine_holds(monkeypatch):
+    """A Ray of the run's own is made to fit the plan's bundles; the machine is not: the 8-GPU hybrid command on a
+    CPU is 24 processes (the reference and the reward model load into the actor's: common.guests), against 4 per
+    core, and gets the README's counts, which fit, with the sleep flags in the same message."""
+    monkeypatch.delenv("HYBRIDRL_SHARE_PROCESS", raising=False)
+    ref = dict(critic=(1, 8), ref=(1, 8), reward=(1, 8), engines=4, tp=2, colocate_all_models=True, use_gpu=False)
+    assert local_workers(plan(**ref)) == {"actor": 8, "critic": 8, "vllm": 8}
+    sleep = [("--vllm_enable_sleep", "vLLM cannot sleep on CPU")]
+    with pytest.raises(UserError) as e:
+        check_fits_here(plan(**ref), sleep, cores=2)
+    assert str(e.value) == (
+        "the plan starts 24 worker processes (actor 8, critic 8, vllm 8) but a Ray of its own on this machine runs "
+        "at most 8 (4 per CPU core, 2 cores; each loads torch and its model). On a CPU each GPU of "
+        "--*_num_gpus_per_node is a worker process on a logical CPU, so a CPU run takes the README's counts; this "
+        "command needs all of: --actor_num_gpus_per_node 1, --critic_num_gpus_per_node 1, --ref_num_gpus_per_node 1, "
+        "--reward_num_gpus_per_node 1, --vllm_num_engines 1, --vllm_tensor_parallel_size 1, drop --vllm_enable_sleep "
+        "(vLLM cannot sleep on CPU). Or join a Ray cluster with room for them (RAY_ADDRESS=<head>:<port>)")
+    counts = dict(ref, actor=(1, 1), critic=(1, 1), ref=(1, 1), reward=(1, 1), engines=1, tp=1)
+    check_fits_here(plan(**counts), cores=2)  # what the message asks for: 3 processes
+    with pytest.raises(UserError, match=r"^on CPU: drop --vllm_enable_sleep"):  # fits: the sleep flag alone
+        check_fits_here(plan(**counts), sleep, cores=2)
+    # a process per role: 5 for the README's counts on their own CPUs, over 1 core's 4: colocating is the change
+    with pytest.raises(UserError, match=r"starts 5 worker processes .* at most 4 \(4 per CPU core, 1 core;.* all of: "
+                                        r"--colocate_all_models\. Or join"):
+        check_fits_here(plan(**dict(counts, colocate_all_models=False)), cores=1)
+    with pytest.raises(UserError, match=r"starts 9 worker processes \(actor 9\) .*; lower --actor_num_nodes, or join"):
+        check_fits_here(plan(actor=(9, 1), use_gpu=False), cores=2)
+    monkeypatch.setenv("HYBRIDRL_SHARE_PROCESS", "0")  # the frozen models in processes of their own
+    assert sum(local_workers(plan(**counts)).values()) == 5
+    check_fits_here(plan(critic=(1, 8), ref=(1, 8), reward=(1, 8), engines=4, tp=2, colocate_all_models=True),
+                    cores=1)  # on GPUs Ray counts the GPUs themselves (check_fits after it starts)
 
 
 def test_plan_rows_show_who_shares_what():
