@@ -117,7 +117,7 @@ def train(a: o.Options) -> None:
     from common.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import dpo_loss, nll_loss, sequence_logprobs
-    from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
+    from common.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
     torch.manual_seed(a.seed)
@@ -146,7 +146,7 @@ def train(a: o.Options) -> None:
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
     policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
-    notes = template_notes(a, "--prompt_key")
+    notes = template_notes(a, "--prompt_key") + [max_len_note(policy.config, a.max_len)]
     if a.use_liger_kernel:  # the policy only, as OpenRLHF
         from common.liger import apply_liger
 
@@ -298,12 +298,11 @@ def train(a: o.Options) -> None:
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
             preempt.mark_stopped()
-            log.close()
-            return
+            log.end({}, resume_from=ckpt_root)
+            raise preempt.stopped()  # exit 143 / 130: training did not finish
 
     ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
-    log.info(f"policy saved to {a.save_path}")
-    log.close()
+    log.end({"policy": a.save_path})
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ def main(
         template_notes(options, "--prompt_key")
         require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
         o.check_precision(options)
+        if compute_fp32_loss:  # OpenRLHF's flag; said as its other flags that change nothing here (common.openrlhf_flags)
+            options["openrlhf"]["notes"].append("--compute_fp32_loss: the reward model's loss is computed in fp32 here "
+                                                "whatever --bf16 (the scores are cast first); the flag changes nothing")
         require(train_batch_size % micro_train_batch_size == 0,
                 f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size {micro_train_batch_size}")
         train(o.typed(options, main, "RMOptions"))  # a misspelt option is an AttributeError
@@ -115,7 +118,7 @@ def train(a: o.Options) -> None:
     from common.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
     from common.losses import bradley_terry_loss, log_exp_loss
-    from common.models import attn_implementation, load_reward_model, load_tokenizer, resolve_pretrain
+    from common.models import attn_implementation, load_reward_model, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
     torch.manual_seed(a.seed)
@@ -173,7 +176,7 @@ def train(a: o.Options) -> None:
                 "steps": total_steps, "resumed from": resume_from or "-", "output": a.save_path, "git": git_commit()},
         "versions": versions()})
     memory_plan.show(log, memory)
-    notes = template_notes(a, "--prompt_key")
+    notes = template_notes(a, "--prompt_key") + [max_len_note(model.config, a.max_len)]
     if with_margin and not a.margin_loss:
         notes.append(f"the data's '{a.margin_key}' column is not used: --margin_loss adds it to the loss")
     if a.packing_samples and attn != "flash_attention_2":
@@ -277,8 +280,8 @@ def train(a: o.Options) -> None:
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
             preempt.mark_stopped()
-            log.close()
-            return
+            log.end({}, resume_from=ckpt_root)
+            raise preempt.stopped()  # exit 143 / 130: training did not finish
 
     if not eval_pairs and len(train_pairs) >= 100:  # OpenRLHF's statistics set then: the first 1% of the training data,
         ws = dist.world_size                         # whole shards (ZeRO-3 ranks run their forward passes together)
@@ -287,8 +290,7 @@ def train(a: o.Options) -> None:
         log.info(f"reward mean {stats['eval/reward_mean']:.4g}, std {stats['eval/reward_std']:.4g} over the first {n} "
                  "training pairs (no held-out set), recorded in config.json")
     ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
-    log.info(f"reward model saved to {a.save_path}")
-    log.close()
+    log.end({"reward model": a.save_path})
 
 
 if __name__ == "__main__":

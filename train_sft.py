@@ -2,8 +2,11 @@
 
 The loss is the negative log-likelihood of the response tokens: the last assistant turn, every
 assistant turn with `--multiturn`, every token with `--pretrain_mode`. Each optimizer step averages
-it over all the step's loss tokens, across its micro-batches and ranks (OpenRLHF averages each
-micro-batch on its own, so a short answer there weighs as much as a long one). `--packing_samples`
+it over all the step's loss tokens, across its micro-batches and ranks, so every loss token weighs
+the same. OpenRLHF's loss at the CLI these flags follow (76351db1) is each micro-batch's own token
+mean, which DeepSpeed then averages over the step's micro-batches and ranks: a token weighs more in
+a micro-batch with fewer loss tokens (with one sample per micro-batch, a short answer weighs as much
+as a long one); its later code takes the step's token mean, as here. `--packing_samples`
 runs a micro-batch as one row without padding: positions restart for each sample and attention stays
 inside it (the same loss). Rows: OpenRLHF's `--input_key`/`--output_key` (strings or message lists),
 whole conversations, and TRL's `messages` and `prompt`/`completion` layouts (common/sft_data.py).
@@ -129,7 +132,7 @@ def train(a: o.Options) -> None:
     from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data import iterate_batches
     from common.logger import MetricsLogger, git_commit, versions
-    from common.models import attn_implementation, load_causal_lm, load_tokenizer, resolve_pretrain
+    from common.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
     from common.prompts import set_chat_template
     from common.rollout import hf_generate
     from common.sft_data import OPENRLHF_SFT_TEMPLATE, SFTKeys, collate_sft, load_sft_data
@@ -175,6 +178,7 @@ def train(a: o.Options) -> None:
         from common.liger import apply_liger
 
         notes.append(apply_liger(model, dist.device))
+    notes.append(max_len_note(model.config, a.max_len))
     engine = ds.initialize(model, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
                            warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
                            betas=a.adam_betas, weight_decay=a.l2)
@@ -309,12 +313,11 @@ def train(a: o.Options) -> None:
         if preempted:
             log.info(f"{preempt.reason()}: stopped after step {step}; --load_checkpoint resumes from {ckpt_root}")
             preempt.mark_stopped()
-            log.close()
-            return
+            log.end({}, resume_from=ckpt_root)
+            raise preempt.stopped()  # exit 143 / 130: training did not finish
 
     ds.save_hf(engine, tokenizer, a.save_path, dist.rank)
-    log.info(f"model saved to {a.save_path}")
-    log.close()
+    log.end({"model": a.save_path})
 
 
 if __name__ == "__main__":

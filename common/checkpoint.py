@@ -163,9 +163,9 @@ class Preemption:
         raise KeyboardInterrupt
 
     def mark_stopped(self) -> None:
-        """Say that the run stopped early for the signal. Both a stop and a finished run exit 0, so a
-        launcher that must tell them apart (slurm/ray_cluster.sh requeues only a stopped job) names
-        a file in HYBRIDRL_STOPPED_FILE, which this creates."""
+        """Say that the run stopped early for the signal. A stop for SIGTERM exits 143, as does a driver that
+        SIGTERM killed before it could save, so a launcher that must tell them apart (slurm/ray_cluster.sh
+        requeues only a job that saved) names a file in HYBRIDRL_STOPPED_FILE, which this creates."""
         path = os.environ.get("HYBRIDRL_STOPPED_FILE")
         if path:
             with open(path, "w") as f:
@@ -174,6 +174,15 @@ class Preemption:
     def reason(self) -> str:
         """What asked for the stop, for the driver's last line."""
         return getattr(self, "_why", "SIGTERM")
+
+    def stopped(self) -> Exception:
+        """What the script raises once the stop's checkpoint is saved and its last lines are out: the process
+        then exits 143 (SIGTERM) or 130 (Ctrl-C), not 0, since training did not finish (common.errors.Stopped)."""
+        import signal
+
+        from common.errors import Stopped
+
+        return Stopped(signal.SIGINT if self.reason() == "Ctrl-C" else signal.SIGTERM)
 
     def requested(self) -> bool:
         """The same answer on every rank (one rank may have seen the signal a step earlier)."""

@@ -2,12 +2,14 @@
 
 Anything the user can fix (a missing file, a malformed row, a bad flag combination) raises
 `UserError` (exit 2); a run that cannot continue (a dead or hung worker, a non-finite loss) raises
-`TrainingError` (exit 1). The script's entry point runs under `exit_on_user_error()`, which prints
+`TrainingError` (exit 1); a run stopped early by SIGTERM or Ctrl-C, after its checkpoint, raises
+`Stopped` (exit 143 or 130). The script's entry point runs under `exit_on_user_error()`, which prints
 the one message. Programming errors keep their traceback.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 
@@ -17,6 +19,17 @@ class UserError(Exception):
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a worker died or hung, a loss became NaN): one message, exit code 1."""
+
+
+class Stopped(Exception):
+    """The run stopped before its last step for a signal, with a checkpoint (common.checkpoint.Preemption).
+    The driver exits 128 + the signal's number, what a shell reports for a command the signal ended (143
+    for SIGTERM, 130 for Ctrl-C), so `train_sft.py ... && train_rm.py ...` does not go on with an unfinished
+    model; slurm/ray_cluster.sh requeues a Ray job whose driver stopped so at the time-limit warning."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.code = 128 + signum
 
 
 @contextlib.contextmanager
@@ -29,12 +42,35 @@ def exit_on_user_error():
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Stopped as e:  # the run has said why and where it saved
+        # Only the driver (rank 0; a Ray driver has no RANK) tells: srun --kill-on-bad-exit, torchrun and the
+        # deepspeed launcher end every rank once one exits non-zero, which could cut rank 0's last lines short.
+        sys.exit(e.code if os.environ.get("RANK", "0") == "0" else 0)
 
 
 def check_output_folders(a: dict) -> None:
-    """--save_path, --ckpt_path and --use_tensorboard must be folders this process can create or write."""
+    """--save_path, --ckpt_path and --use_tensorboard must be folders this process can create or write, and
+    --save_path must not hold another run: a second run there is refused (it would overwrite that run's
+    metrics and model), unless --load_checkpoint continues that run. Refused, not moved to a new folder:
+    the next stage of a pipeline reads the model from the path it was given."""
     import os
 
+    from common.run_info import run_outputs
+
+    save = a.get("save_path")
+    found = run_outputs(save) if save and not dry_run_only(a) and not a.get("load_checkpoint") else []
+    if found:
+        try:
+            import json
+
+            with open(os.path.join(save, "config.json")) as f:
+                cfg = json.load(f).get("hybridrl", {})
+            by = f" of {cfg['script']}" if cfg.get("script") else ""
+        except (OSError, ValueError, AttributeError):
+            by = ""
+        raise UserError(f"--save_path {save} already holds a run{by} ({', '.join(found)}), which this one would "
+                        "overwrite: give another --save_path, add --load_checkpoint to continue that run from its "
+                        "newest checkpoint, or remove the folder")
     for flag in ("save_path", "ckpt_path", "use_tensorboard"):
         path = a.get(flag)
         if not path or dry_run_only(a):

@@ -7,11 +7,14 @@ Files in the run folder:
 - `metrics.jsonl`: one object per `log` call, `{"step": 12, "time": <unix s>, "train/loss": 0.69}`;
   non-finite values are written as `null` so every line stays valid JSON. Flushed per line, so a
   killed run keeps everything it logged.
-- `config.json`: the resolved options under its "hybridrl" key, written once at start.
+- `config.json`: the resolved options under its "hybridrl" key, written once at start, with what produced
+  the run: the script's name, path and SHA-256, the git commit, and the tree's uncommitted changes.
 - `curves.png`: the `plot_keys` curves against step, written by `close()`.
 
-On a terminal the console shows a rich progress bar; elsewhere (Slurm logs, CI, pytest) one plain,
-grep-friendly line per `log` call: `step 12/100 | train/loss 0.6931 | 3.2 s`.
+On a terminal the console shows a rich progress bar, and every line fits the terminal's width whole
+(the metrics that fit, under short names); elsewhere (Slurm logs, CI, pytest) one plain, grep-friendly
+line per `log` call with every metric: `step 12/100 | train/loss 0.6931 | 3.2 s`. `end()` closes
+the run with where its files went.
 
 Importing this module does not import torch: `--help` and dry runs use `versions()` and the banner.
 """
@@ -27,18 +30,21 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.errors import MarkupError
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from common import cpu_threads
 from common.errors import UserError
 from common.run_info import git_commit, jsonable, versions  # noqa: F401  (the scripts import the last two from here)
+from common.run_info import git_changes, run_outputs, script_info, source_note
 
 # On a terminal the bar already shows the latest values; a line above it every N logs (and at every
 # eval) keeps a sparse history in the scrollback without flooding it.
 _TERMINAL_LINE_EVERY = 10
-_BAR_METRICS = 4  # how many metrics fit in the bar's description
+_BAR_METRICS = 4  # at most this many metrics in the bar's description, fewer where the terminal is narrow
+_BAR_WIDTH = 10  # the bar itself: short, so that an 80-column line keeps two or three metrics beside it
+_CLOCK_WIDTH = 8  # elapsed and remaining, H:MM:SS: up to 99 hours
 
 
 def _fmt(v: float) -> str:
@@ -54,6 +60,37 @@ def _markup(message: str) -> Text:
         return Text.from_markup(message)
     except MarkupError:  # brackets that only look like markup: print them as written
         return Text(message)
+
+
+def _labels(keys) -> dict[str, str]:
+    """Console names of metric keys: `train/kl` shows as `kl`, unless an earlier key has that name
+    (`eval/reward_mean` after `rollout/reward_mean` stays whole). metrics.jsonl keeps the full keys."""
+    out, taken = {}, set()
+    for k in dict.fromkeys(keys):
+        short = k.rsplit("/", 1)[-1]
+        out[k] = k if short in taken else short
+        taken.add(short)
+    return out
+
+
+def _fit(items: list[str], room: int, sep: str) -> str:
+    """`items` joined by `sep`, in order, as many as fit in `room` characters (a first that does not: none)."""
+    out = ""
+    for item in items:
+        longer = out + sep + item if out else item
+        if len(longer) > room:
+            break
+        out = longer
+    return out
+
+
+class _Elapsed(ProgressColumn):
+    """H:MM:SS with the hours unbounded, like the remaining time: rich's own elapsed column turns into
+    "1 day, 2:03:04" after a day, longer than the line has room for."""
+
+    def render(self, task) -> Text:
+        s = int(task.finished_time if task.finished else task.elapsed or 0)
+        return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}", style="progress.elapsed")
 
 
 class MetricsLogger:
@@ -84,6 +121,7 @@ class MetricsLogger:
         self._task = None
         self._start_step = start_step
         self._file = self._wandb = self._tb = None
+        self._folder: dict[str, str] = {}  # the banner's "run folder" lines
         if not files:  # a console only (e.g. a dry run): nothing is written
             return
         # Check optional integrations before writing anything, so a missing package leaves no half run folder.
@@ -96,9 +134,21 @@ class MetricsLogger:
         if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
             raise UserError(f"tensorboard logging to {tensorboard_dir} needs tensorboard: pip install tensorboard")
 
+        # What this run does to the folder (common.errors.check_output_folders refused a second run there
+        # before any model loaded, unless --load_checkpoint continues the first)
+        earlier = run_outputs(str(self.save_path))
+        self._folder["output"] = f"{self.save_path}: " + (
+            f"continues the run there from step {start_step} (--load_checkpoint)" if append else
+            f"a new run over an earlier one ({', '.join(earlier)}): --load_checkpoint found no checkpoint to continue"
+            if earlier else "a new run (a folder holding another run is refused; --load_checkpoint continues one)")
         self.save_path.mkdir(parents=True, exist_ok=True)
         cfg = json.loads(json.dumps(config or {}, default=jsonable))
-        cfg["versions"], cfg["git_commit"] = versions(), git_commit()  # what produced the run
+        # What produced the run: the script (an edited copy has another name or hash), the commit, and whether
+        # the tree had uncommitted changes (untracked files count: a new script is one)
+        changes = git_changes()
+        cfg.update(script_info(), versions=versions(), git_commit=git_commit(),
+                   git_dirty=None if changes is None else bool(changes), git_changes=changes)
+        self._folder["source"] = source_note(cfg)
         # The final model is saved in this folder too, and its config.json is the model's: the run's
         # options live under the "hybridrl" key of the same file (kept when the model is saved).
         cfg_path = self.save_path / "config.json"
@@ -203,6 +253,8 @@ class MetricsLogger:
         if defaults:
             sections = {**sections, "defaults": defaults}
         sections = {**sections, "threads": {"cpu": cpu_threads.describe()}}  # the wait policy decides busy-CPU speed
+        if self._folder:
+            sections = {**sections, "run folder": self._folder}
         if self.plain:
             self._write_plain(f"== {title} ==")
             for name, kv in sections.items():
@@ -255,26 +307,33 @@ class MetricsLogger:
 
     def _show(self, step: int, vals: dict[str, float]) -> None:
         of = f"/{self.total_steps}" if self.total_steps else ""
-        line = " | ".join([f"step {step}{of}", *(f"{k} {_fmt(v)}" for k, v in vals.items()),
-                           f"{time.time() - self._t0:.1f} s"])
-        if self.plain:
-            self._write_plain(line)
+        head, tail = f"step {step}{of}", f"{time.time() - self._t0:.1f} s"
+        if self.plain:  # every value: a log file is read with grep, not at a terminal's width
+            self._write_plain(" | ".join([head, *(f"{k} {_fmt(v)}" for k, v in vals.items()), tail]))
             return
+        # On a terminal every line must fit its width whole (rich would wrap the history line mid-value and
+        # cut the bar's counts and times off): the metrics that fit, in order, under short names.
         # Latest value of each key, so the description keeps its layout when sparse keys (eval/*) come and go.
         self._latest.update(vals)
+        width, names = self.console.width, _labels([*self.plot_keys, *self._latest])
         shown = [k for k in self.plot_keys if k in self._latest] or list(self._latest)
-        desc = "  ".join(f"{k} {_fmt(self._latest[k])}" for k in shown[:_BAR_METRICS])
+        counts = 2 * len(str(self.total_steps)) + 1 if self.total_steps else len(f"{step}/?")
+        room = width - _BAR_WIDTH - counts - 2 * _CLOCK_WIDTH - 4  # a space between the five columns
+        desc = _fit([f"{names[k]} {_fmt(self._latest[k])}" for k in shown[:_BAR_METRICS]], room, "  ")
         if self._progress is None:
             # Started at the first log, so the banner and tables print above it, not around it.
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
-                                      refresh_per_second=2)
+            self._progress = Progress(TextColumn("{task.description}", style="bold", markup=False),
+                                      BarColumn(bar_width=_BAR_WIDTH), MofNCompleteColumn(), _Elapsed(),
+                                      TimeRemainingColumn(), console=self.console, refresh_per_second=2)
             self._progress.start()
             atexit.register(self._progress.stop)  # a run stopped at once (Ctrl-C twice) still ends the bar's line
             self._task = self._progress.add_task(desc, total=self.total_steps or None, completed=self._start_step)
         self._progress.update(self._task, completed=step, description=desc, refresh=True)
         if self._n_logs % _TERMINAL_LINE_EVERY == 1 or any(k.startswith("eval/") for k in vals):
-            self._print(Text(line))
+            first = sorted((k for k in self.plot_keys if k in vals), key=lambda k: not k.startswith("eval/"))
+            items = [f"{names[k]} {_fmt(vals[k])}" for k in first + [k for k in vals if k not in first]]
+            mid = _fit(items, width - len(head) - len(tail) - 6, " | ")  # 6: the two " | " around it
+            self._print(Text(" | ".join(x for x in (head, mid, tail) if x)))
 
     def _plot(self) -> str | None:
         from common.run_info import plot_curves
@@ -296,6 +355,23 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         return self._plot()
+
+    def end(self, saved: dict[str, str], resume_from: str | None = None) -> None:
+        """The run's last lines, the same in every script: `close()`, then where the run's files went, one
+        `name: path` line each: metrics.jsonl, curves.png, then `saved` ({"policy": its folder}, what the run
+        saved). A run stopped before its last step saves no model: `saved` is empty and `resume_from` names
+        the checkpoints that --load_checkpoint resumes from."""
+        curves = self.close()
+        if not self.enabled or self._file is None:
+            return
+        plotted = ", ".join(self.plot_keys) or "no curve asked for"
+        lines = [f"metrics: {self.metrics_path}", f"curves: {curves or f'none (no finite value of {plotted})'}"]
+        lines += [f"{name}: {path}" for name, path in saved.items()]
+        if not saved:
+            lines.append(f"model: not saved (stopped before the last step); --load_checkpoint resumes from "
+                         f"{resume_from}")
+        for line in lines:
+            self._emit(Text(line))  # not markup: a path may hold brackets
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -2,7 +2,8 @@
 
 Pure arithmetic, no torch: `plan_memory(Job)` for a layout, `read_shape` for a folder's config.json.
 N parameters, D the role's data-parallel ranks, w = 2 bytes (bf16 weights) or 4, e the activations'
-element size; the formulas, their sources and what is measured: docs/performance.md "Memory plan".
+element size; the formulas and their sources: dev/LOG.md, "Memory plan"; the plan against measured
+peaks: docs/performance.md.
 - trained (DeepSpeed): weights w*N (/D at ZeRO-3); fp32 master 4N at ZeRO-0 with bf16 weights, 4N/D at
   ZeRO 1-3 (a clone, even of fp32 weights); Adam moments 8N (/D at ZeRO 1-3); gradients w*N/D kept,
   in backward the full w*N (ZeRO 0-1) or a bucket w*min(N, 5e8) (2-3), at the step an fp32 copy of
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 GiB = 2**30
 CONTEXT = int(0.75 * GiB)  # CUDA context, cuBLAS workspace, NCCL buffers of one torch process
 SLACK = 0.08               # caching allocator: reserved over allocated at the peak (rounding, fragments)
-VLLM_ASLEEP = 2 * GiB      # left of a sleeping engine: 0.6-2.6 GiB measured (docs/gpu-figures.md)
+VLLM_ASLEEP = 2 * GiB      # left of a sleeping engine: 0.6-2.6 GiB measured (docs/performance.md)
 BUCKET = 500_000_000       # DeepSpeed's default reduce_bucket_size, elements
 PHASES = ("generate", "logprobs", "train", "sync")
 
@@ -140,6 +141,32 @@ class MemoryPlan:
         return max((self.group_peak(g)[1] for g in self.groups()), default=0)
 
 
+def how_to_plan(model_id: str) -> str:
+    """Why a hub id has no plan here, and the two ways to get one without its weights."""
+    import re
+
+    shapes = []
+    try:  # bench/make_model.py's shapes: its --shape choices (the file imports typer only at the top)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "_make_model", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "make_model.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        shapes = list(module.SHAPES)
+    except Exception:  # not in a checkout of the repo (an installed package): no script to name
+        pass
+    size = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model_id.rsplit("/", 1)[-1])
+    known = size is not None and size.group(1) + "b" in shapes
+    shape = size.group(1) + "b" if known else "|".join(shapes)
+    local = (f"; or write a config of {'its' if known else 'similar'} sizes: `python bench/make_model.py --shape {shape} "
+             "--config-only --out DIR` (8b: Llama-3-8B's sizes; the others Qwen2.5's) and give DIR (or any config.json) "
+             f"in place of {model_id} to --dry_run" if shapes else "")
+    return (f"{model_id} is neither a local folder nor in the Hugging Face cache, and the plan reads its config.json "
+            f"without downloading. To see the plan, fetch that file alone (`hf download {model_id} config.json`, "
+            f"online; the plan then reads it from the cache){local}")
+
+
 def read_shape(path: str | None, value_head: bool = False) -> Shape:
     """Shape of a model folder (None: the built-in tiny model) from its config.json; a hub id only if the
     Hugging Face cache holds its config (never downloads). Llama/Qwen/Mistral-style dense decoders (no
@@ -149,7 +176,9 @@ def read_shape(path: str | None, value_head: bool = False) -> Shape:
 
         path = tiny_model_path()
     file = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
+    if os.path.isfile(path) and path.endswith(".json"):  # a config.json alone: all a dry run's plan needs
+        file = path
+    elif not os.path.isdir(path):
         try:
             from huggingface_hub import try_to_load_from_cache
 
@@ -157,8 +186,7 @@ def read_shape(path: str | None, value_head: bool = False) -> Shape:
         except Exception:  # an id the hub library rejects, or no hub library: no plan either way
             file = None
         if not isinstance(file, str):
-            raise _NoPlan(f"{path} is not a local folder nor in the Hugging Face cache, and the plan reads its "
-                          "config.json without downloading: download it first, or --dry_run with a local folder")
+            raise _NoPlan(how_to_plan(path))
     if not os.path.exists(file):
         raise _NoPlan(f"{path}: no config.json")
     with open(file) as f:

@@ -26,6 +26,11 @@ from common.memory_estimate import Shape, training_states  # noqa: F401  (for th
 # common.workers' default on a GPU (ModelSpec.head_chunk_tokens). A training step's head holds a chunk's
 # logits and their gradient at once: 2 x 2048 x 152k bf16 is 1.2 GiB (Qwen2.5), and the matmul stays large.
 HEAD_CHUNK = 2048
+# With no GPU visible (a dry run on a laptop) the plan is checked against an 80 GB GPU, what OpenRLHF's
+# 8-GPU commands are documented on: a layout that will be refused there names its fixes before the job
+# waits in a queue. 81559 MiB is an H100 80GB's total in nvidia-smi (an A100 80GB has 81920).
+REFERENCE_GPU = 81559 * 2**20
+REFERENCE_NAME = "80 GB GPU (A100/H100 80GB: 79.6 GiB, the size OpenRLHF's 8-GPU commands are documented on)"
 # Model types whose logits are their head's output as it is, so the workers may make them in chunks
 # (common.logprobs.chunked_head): others scale or soft-cap them after the head (Gemma 2, Cohere).
 PLAIN_HEAD = ("qwen2", "qwen3", "llama", "mistral")
@@ -162,8 +167,22 @@ def check_memory(mp: MemoryPlan) -> None:
     raise UserError(
         f"the memory plan needs {need / GiB:.1f} GiB on each GPU of {group} ({LABELS[phase]}: {parts}) but the GPU has "
         f"{g / GiB:.1f} GiB. Flags that lower it, most saving first: {', '.join(said) or 'none found'}"
-        f"{'; ' + verdict if verdict else ''} (the plan is for sequences of {j.seq} tokens; --dry_run prints it; "
-        "docs/performance.md, Memory plan)")
+        f"{'; ' + verdict if verdict else ''}.{_why_not_openrlhf(mp, group, phase)} (the plan is for sequences of "
+        f"{j.seq} tokens; --dry_run prints it; docs/performance.md, Memory plan)")
+
+
+def _why_not_openrlhf(mp: MemoryPlan, group: str, phase: str) -> str:
+    """Why OpenRLHF's PPO commands need a flag more here: a user reads the refusal of a documented command
+    as a bug. Our critic trains beside the actor (train_ppo.py, step 5) and both keep their training memory
+    until the weight sync (common/hybrid_engine.py); OpenRLHF's hybrid engine trains the critic, offloads it,
+    then trains the actor, offloads it, then syncs (its PPOTrainer.ppo_train), so only one of them peaks."""
+    trained = {m.role for m in mp.job.models if m.trainable and m.group == group}
+    if not {"actor", "critic"} <= trained or phase not in ("train", "sync"):
+        return ""
+    return (" The actor and the critic train at the same time here, each in processes of its own, and keep their "
+            f"training memory{' until the new weights reach vLLM' if phase == 'sync' else ''}, so both peaks add up "
+            "on these GPUs; OpenRLHF's hybrid engine trains and offloads one after the other, so a PPO command "
+            "written for it may need one of these flags here.")
 
 
 # ------------------------------------------------------------------------------ table, scripts, metrics
@@ -190,9 +209,18 @@ def rows(mp: MemoryPlan) -> list[dict]:
         phase, need, frac = mp.group_peak(group)
         total = {LABELS[ph]: _gib(sum(p.phases[ph] for p in procs), sum(p.gpu_fraction.get(ph, 0.0) for p in procs))
                  for ph in mp.job.phases}
-        g = mp.gpu_bytes
-        fits = (f"of {g / GiB:.1f} GiB: {'fits' if need <= g else 'DOES NOT FIT'}" if g else
-                f"needs a GPU of {need / (1 - frac) / GiB:.1f} GiB or more" if frac < 1 else "")
+        g, j = mp.gpu_bytes, mp.job
+        # vLLM takes its share of whatever GPU it gets (0 bytes of its own here): the GPU must hold the rest
+        # beside that share, and the share vLLM's weights and a KV cache (as check_memory asks)
+        vllm = j.vllm_util > 0 and any(p.process == "vllm" for p in procs)
+        least = max(need / (1 - frac) if frac < 1 else 0.0, (j.vllm_weights + 2 * GiB) / j.vllm_util if vllm else 0.0)
+        if g:
+            fits = f"of {g / GiB:.1f} GiB: {'fits' if need <= g else 'DOES NOT FIT'}"
+        elif frac >= 1 and need:
+            fits = f"fits no GPU: vLLM's share {frac:g} leaves nothing for the other {need / GiB:.1f} GiB"
+        else:
+            fits = f"needs a GPU of {least / GiB:.1f} GiB or more"
+            fits += f" ({j.vllm_util:g} of it for vLLM's weights and KV cache)" if vllm else ""
         out.append({"GPUs": f"{procs[0].gpus} x {group}", "process": "= one GPU", **total,
                     "at its peak (GiB)": f"peak at {LABELS[phase]}, {fits}"})
     return out
@@ -230,8 +258,13 @@ def show(log, mp: MemoryPlan) -> None:
     shared = {m.role: m.process for m in j.models if m.process != m.role and m.role in ("ref", "reward")}
     if hosted_note(shared):
         log.info(f"memory plan: {hosted_note(shared)}")
-    if not mp.gpu_bytes:
-        log.info("memory plan: no GPU visible here, so not checked against one")
+    if not mp.gpu_bytes:  # a dry run on a laptop: checked against the GPUs most such commands are written for
+        try:
+            check_memory(plan_memory(j, REFERENCE_GPU))
+            log.info(f"memory plan: no GPU visible here; it fits an {REFERENCE_NAME}")
+        except UserError as e:
+            log.warn_once("memory plan", f"no GPU visible here; on an {REFERENCE_NAME}: {e}")
+        return
     try:
         check_memory(mp)
     except UserError as e:

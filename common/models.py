@@ -60,6 +60,19 @@ def attn_implementation(flash_attn: bool | str) -> tuple[str, str | None]:
     return "sdpa", "--flash_attn: flash-attention is not available here; using PyTorch SDPA attention"
 
 
+def max_len_note(config, max_len: int) -> str | None:
+    """A banner warning when --max_len exceeds the model's max_position_embeddings (`config`: its transformers
+    config): a sequence that long runs past the positions the model was made for, which fails (a table of
+    learned positions) or degrades quietly (rotary positions). The PPO/GRPO scripts check their prompts
+    and --generate_max_len instead (common.rollout.positions_note)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions or max_len <= positions:
+        return None
+    return (f"--max_len {max_len} exceeds the model's {positions} positions (max_position_embeddings in its "
+            f"config.json): sequences longer than {positions} tokens run past the positions it was made for; lower "
+            f"--max_len to {positions}")
+
+
 def _not_loadable(what: str, path: str, e: Exception) -> UserError:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     if not os.path.isdir(path):  # a hub id: offline, unreachable, gated or misspelt
@@ -199,7 +212,7 @@ def rope_in_fp32(model) -> int:
     from_pretrained in the weights' dtype, RoPE's `inv_freq` too, and a frozen model's `.to(bfloat16)` casts
     it: in bf16 a frequency is off by up to 2^-9 of itself, so at position 268 the fastest rotation is off
     by ~0.5 rad. That doubled `rollout/logprob_diff` at 3B with --zero_stage 3 --bf16 (0.059 against 0.030
-    under autocast; vLLM keeps them in fp32, docs/performance.md). The buffers are not ZeRO-partitioned:
+    under autocast; vLLM keeps them in fp32, dev/LOG.md). The buffers are not ZeRO-partitioned:
     rebuilding the module outside zero.Init gives the fp32 values."""
     fixed = 0
     for module in model.modules():

@@ -178,6 +178,21 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def prompt_tail(tokenizer, ids: list[int], max_chars: int = 60) -> str:
+    """The end of a prompt for a log line, as a repr: its last whole tokens whose text fits `max_chars`
+    (at least the last token), with `…` in front when that is not all of it. Cut on the text instead, a
+    line would show half a token (`'tart|>user\\n...'` of `<|im_start|>`), or half a UTF-8 character."""
+    shown, k = "", 0
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[-n:])
+        if text.startswith("\ufffd"):  # a byte-level token in the middle of a character: take one more
+            continue
+        if shown and len(text) > max_chars:
+            break
+        shown, k = text, n
+    return ("…" if k < len(ids) else "") + repr(shown)
+
+
 def user_turn(prompt: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 

@@ -36,6 +36,59 @@ def git_commit() -> str:
     return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
 
 
+@functools.cache
+def git_changes() -> list[str] | None:
+    """`git status --porcelain` lines of that repository (uncommitted edits and untracked files, so a copied
+    and edited script counts): [] for a clean tree, None without git."""
+    try:
+        res = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "status", "--porcelain"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.splitlines() if res.returncode == 0 else None
+
+
+def script_info() -> dict:
+    """The running script (this process's argv[0]): its name, absolute path and SHA-256, so a run of an edited
+    copy can be told from one of the original and matched to its file later."""
+    import hashlib
+    import sys
+
+    path = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    if path is None or not path.is_file():  # python -c / stdin: no file to name
+        return {"script": "", "script_path": "", "script_sha256": None}
+    return {"script": path.name, "script_path": str(path), "script_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def source_note(cfg: dict) -> str:
+    """One line for the banner from config.json's fields: the script, the commit, uncommitted changes."""
+    changes = cfg.get("git_changes")
+    dirty = ("unknown tree state" if changes is None else "clean tree" if not changes else
+             f"uncommitted changes in {len(changes)} file(s), listed in config.json")
+    return f"{cfg.get('script') or '?'} at commit {cfg.get('git_commit', 'unknown')}, {dirty}"
+
+
+def run_outputs(path: str) -> list[str]:
+    """What an earlier run left in the folder `path` (empty: nothing a new run would overwrite), for
+    --save_path's check: logged steps, a saved model, checkpoints. A run that stopped before logging
+    anything left only config.json, which a new run may replace."""
+    import os
+
+    found = []
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics, errors="replace") as f:
+            steps = sum(1 for line in f if '"step"' in line)
+        if steps:
+            found.append(f"metrics.jsonl with {steps} logged step(s)")
+    if os.path.isdir(path) and any(n.endswith(".safetensors") or n == "pytorch_model.bin" for n in os.listdir(path)):
+        found.append("a saved model")
+    ckpt = os.path.join(path, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        found.append("checkpoints/")
+    return found
+
+
 def plot_curves(history: dict, keys: list[str], title: str | None, path: Path) -> str:
     """One panel per metric key of `history` ({key: [(step, value)]}) into the PNG at `path`; returns its path."""
     # Figure + Agg without pyplot: no global backend switch, safe beside other threads.

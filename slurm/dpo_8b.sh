@@ -5,6 +5,7 @@
 #   mkdir -p logs && sbatch slurm/dpo_8b.sh                         # from the repo root
 #   sbatch --nodes=4 slurm/dpo_8b.sh --beta 0.05                   # more nodes; any flag overrides
 #   PRETRAIN=/shared/llama3-8b DATASET=/shared/prefs.jsonl sbatch slurm/dpo_8b.sh
+#   DRY_RUN=1 bash slurm/dpo_8b.sh                                  # print each rank's command; no Slurm, no GPUs
 #
 # Every rank gets RANK/WORLD_SIZE/LOCAL_RANK from Slurm (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID)
 # and MASTER_ADDR/MASTER_PORT from this script (the job's first node), so no launcher is needed.
@@ -32,7 +33,12 @@ source slurm/env.sh
 # Each rank's torch otherwise starts one OpenMP thread per core of the node: 8 ranks x all cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # Rank 0's rendezvous: the batch script runs on the job's first node, so a port free here is free there.
-MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}" | head -n 1)
+# Outside a job (DRY_RUN=1 on a laptop) there is no node list, and maybe no scontrol: this host.
+if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+else
+  MASTER_ADDR=$(hostname -s)
+fi
 MASTER_PORT=${MASTER_PORT:-$("$PYTHON" slurm/free_ports.py 1)}
 export MASTER_ADDR MASTER_PORT
 
@@ -44,6 +50,12 @@ ARGS=(${PRETRAIN:+--pretrain "$PRETRAIN"} ${DATASET:+--dataset "$DATASET"}
       --logging_steps 1 --eval_steps -1)
 echo "dpo_8b: job ${SLURM_JOB_ID:-none}, restart ${SLURM_RESTART_COUNT:-0}," \
      "${SLURM_NTASKS:-1} ranks on ${SLURM_JOB_NODELIST:-}, rendezvous $MASTER_ADDR:$MASTER_PORT"
+if [[ ${DRY_RUN:-0} == 1 ]]; then  # the launch only: no srun, nothing trained
+  echo "dpo_8b: DRY_RUN=1: each of the job's ranks would run:"
+  printf '%q ' "$PYTHON" train_dpo.py "${ARGS[@]}" "$@"
+  echo
+  exit 0
+fi
 # --kill-on-bad-exit: one rank dying ends the step instead of the others hanging in a collective;
 # --cpus-per-task again because srun (Slurm >= 22.05) no longer inherits it from sbatch.
 # shellcheck disable=SC2016  # the $SLURM_* are expanded by each task's shell, on purpose

@@ -5,9 +5,13 @@
 # SFT model and its reward model (and critic) the trained one. Run it from the repo root on a login
 # node (it submits; it is not a batch job itself):
 #
-#   mkdir -p logs && bash slurm/pipeline_8b.sh                   # Llama-3-8B, OpenOrca, OpenRLHF's preference mix
+#   bash slurm/pipeline_8b.sh                                     # Llama-3-8B, OpenOrca, OpenRLHF's preference mix
 #   OUT=/shared/run1 PRETRAIN=/shared/llama3-8b bash slurm/pipeline_8b.sh
 #   SFT_FLAGS="--max_epochs 2" PPO_FLAGS="--actor_learning_rate 1e-6" bash slurm/pipeline_8b.sh
+#   DRY_RUN=1 bash slurm/pipeline_8b.sh                           # print the three sbatch commands; submit nothing
+#
+# The jobs' logs go to logs/ in the repo root (made here if missing). If an sbatch fails, the script
+# stops there with a non-zero exit naming the stage and the jobs already submitted.
 #
 # Each stage is its own template (slurm/sft_8b.sh, slurm/rm_8b.sh, slurm/ppo_8b.sh: 2 + 2 + 1 nodes),
 # so each can be rerun alone, and each resumes from its newest checkpoint when requeued. A failed
@@ -31,19 +35,46 @@ read -r -a RM_EXTRA <<<"${RM_FLAGS:-}"
 read -r -a PPO_EXTRA <<<"${PPO_FLAGS:-}"
 
 cd "$(dirname "$0")/.."  # the templates source slurm/env.sh from the repo root
-submit() {  # sbatch ... -> the job id (--parsable prints "id" or "id;cluster")
-  local id
-  id=$(sbatch --parsable "${SBATCH_EXTRA[@]}" "$@")
+# sbatch opens each job's --output (logs/%x-%j.out) before the job starts and does not make the
+# folder: without it every job fails at once, with no log to say why.
+[[ ${DRY_RUN:-0} == 1 ]] || mkdir -p logs
+submitted=()
+submit() {  # stage, sbatch args... -> the job id (--parsable prints "id" or "id;cluster")
+  local stage=$1 id
+  shift
+  if [[ ${DRY_RUN:-0} == 1 ]]; then  # the commands only (on stderr: stdout is the job id); no Slurm needed
+    local arg line="pipeline_8b: DRY_RUN=1: $stage stage: sbatch --parsable"
+    for arg in "${SBATCH_EXTRA[@]}" "$@"; do
+      if [[ $arg =~ ^[][A-Za-z0-9_./:=,+@%-]+$ ]]; then line+=" $arg"; else line+=" $(printf %q "$arg")"; fi
+    done
+    echo "$line" >&2
+    echo "${stage^^}_JOB_ID"
+    return
+  fi
+  # Checked here: a failing command substitution does not stop a `set -e` script by itself (bash
+  # runs it without errexit), and the next stage would get an empty --dependency.
+  if ! id=$(sbatch --parsable "${SBATCH_EXTRA[@]}" "$@") || [[ -z ${id%%;*} ]]; then
+    local before="no job was submitted"
+    if (( ${#submitted[@]} )); then
+      before=$(printf '%s, ' "${submitted[@]}")
+      before="${before%, } already submitted: scancel it, or submit the later stages by hand"
+    fi
+    echo "pipeline_8b: sbatch failed for the $stage stage (sbatch's message is above); $before" >&2
+    exit 1
+  fi
   echo "${id%%;*}"
 }
 
 # --export=ALL,...: the job sees this shell's environment plus the stage's own folders.
-sft=$(submit --export="ALL,PRETRAIN=$PRETRAIN,DATASET=$SFT_DATASET,SAVE_PATH=$OUT/sft" \
+sft=$(submit sft --export="ALL,PRETRAIN=$PRETRAIN,DATASET=$SFT_DATASET,SAVE_PATH=$OUT/sft" \
       slurm/sft_8b.sh "${SFT_EXTRA[@]}")
-rm=$(submit --dependency="afterok:$sft" --export="ALL,PRETRAIN=$OUT/sft,DATASET=$RM_DATASET,SAVE_PATH=$OUT/rm" \
+submitted+=("sft job $sft")
+rm=$(submit rm --dependency="afterok:$sft" --export="ALL,PRETRAIN=$OUT/sft,DATASET=$RM_DATASET,SAVE_PATH=$OUT/rm" \
      slurm/rm_8b.sh "${RM_EXTRA[@]}")
+submitted+=("rm job $rm")
 ppo_env="ALL,PRETRAIN=$OUT/sft,REWARD_PRETRAIN=$OUT/rm,SAVE_PATH=$OUT/ppo,DRY_RUN=${PPO_DRY_RUN:-0}"
 if [[ -n $PROMPT_DATA ]]; then ppo_env+=",PROMPT_DATA=$PROMPT_DATA"; fi
-ppo=$(submit --dependency="afterok:$rm" --export="$ppo_env" slurm/ppo_8b.sh "${PPO_EXTRA[@]}")
+ppo=$(submit ppo --dependency="afterok:$rm" --export="$ppo_env" slurm/ppo_8b.sh "${PPO_EXTRA[@]}")
+if [[ ${DRY_RUN:-0} == 1 ]]; then exit 0; fi
 echo "pipeline_8b: sft job $sft -> rm job $rm -> ppo job $ppo, folders $OUT/{sft,rm,ppo}"
 echo "pipeline_8b: follow with  squeue -j $sft,$rm,$ppo  and  tail -f logs/*-{$sft,$rm,$ppo}.out"

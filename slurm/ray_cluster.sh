@@ -13,7 +13,8 @@
 # Time limit: with sbatch's `--signal=B:USR1@<seconds>`, Slurm sends USR1 to this shell alone that
 # long before the limit. ray_cluster_run then sends SIGTERM to the driver alone, so Ray's processes
 # live on while the driver finishes its step and checkpoints every role; once the driver has exited
-# 0, Ray is stopped and the job requeues itself (`scontrol requeue`), to resume from that checkpoint.
+# after that checkpoint (143, the stop's code), Ray is stopped and the job requeues itself (`scontrol
+# requeue`), to resume from that checkpoint.
 # scancel and preemption are different: Slurm sends SIGTERM to every process of the job, Ray's too,
 # so the driver cannot save; this shell exits (TERM trap) and a requeued job resumes from the last
 # periodic checkpoint.
@@ -221,12 +222,13 @@ _ray_time_up() {
 }
 
 # Run the driver (the command given) and return its exit status. When the time-limit warning came
-# and the driver then exited 0 (it saved a checkpoint and stopped), stop Ray and requeue the job:
-# the next run's --load_checkpoint resumes from that checkpoint. Without Slurm it just returns 0.
+# and the driver then stopped with a checkpoint (exit 143, as a driver stopped by SIGTERM always exits:
+# common/errors.py), stop Ray and requeue the job: the next run's --load_checkpoint resumes from
+# that checkpoint. Without Slurm it just returns the driver's status.
 ray_cluster_run() {
   local rc stopped
-  # A stop for the warning and a finished run both exit 0: the driver creates this file only when it
-  # stopped early (common/checkpoint.py), so a run that ended on its own is not requeued to repeat steps.
+  # A driver that SIGTERM killed before it could save exits 143 too: the driver creates this file only
+  # when it stopped after its checkpoint (common/checkpoint.py), so only that stop is requeued.
   stopped=$(mktemp -u "${TMPDIR:-/tmp}/hybridrl-stopped.XXXXXX")
   export HYBRIDRL_STOPPED_FILE=$stopped
   # In the background: bash runs a trap only once a foreground command has ended, which would hold
@@ -240,7 +242,7 @@ ray_cluster_run() {
   while kill -0 "$_RAY_DRIVER_PID" 2>/dev/null; do wait "$_RAY_DRIVER_PID" || true; done
   wait "$_RAY_DRIVER_PID" && rc=0 || rc=$?
   _RAY_DRIVER_PID=
-  if ((rc == 0 && _RAY_TIME_UP)) && [[ -n ${SLURM_JOB_ID:-} && -e $stopped ]]; then
+  if ((rc == 143 && _RAY_TIME_UP)) && [[ -n ${SLURM_JOB_ID:-} && -e $stopped ]]; then
     rm -f "$stopped"
     # Ray first: the requeue ends this job's processes (SIGTERM), which would cut its stop short.
     ray_cluster_stop 0

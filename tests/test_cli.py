@@ -99,11 +99,36 @@ def test_train_receives_typed_frozen_options(name, cls):
 
 @pytest.mark.parametrize("mode,gpus", [("ppo8", 8), ("grpo8", 8)])
 def test_multi_gpu_runs_plan_on_a_cpu(tmp_path, mode, gpus):
-    """Issue #21's runs wait for a machine of several GPUs: each is one command, checked here with
+    """The multi-GPU runs wait for a machine of several GPUs: each is one command, checked here with
     --dry_run (config-only models of the real shape), so that there it only needs running."""
     e = env() | {"DRY": "1", "PY": PY, "OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models")}
-    p = subprocess.run(["bash", "bench/multi_gpu_runs.sh", mode], cwd=ROOT, env=e, capture_output=True, text=True,
+    p = subprocess.run(["bash", "dev/multi_gpu_runs.sh", mode], cwd=ROOT, env=e, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"total: {gpus} GPUs" in p.stdout and "needs a GPU of" in p.stdout
     assert "4 engines x TP 2" in p.stdout  # the reference's engines, verbatim
+
+
+@pytest.mark.parametrize("name", ["train_rm.py", "train_grpo.py"])
+def test_a_second_run_into_a_run_folder_is_refused_unless_it_continues_that_run(tmp_path, name):
+    """--save_path holding another run's metrics: refused before torch loads (exit 2, one line saying what to
+    do), its files untouched. --load_checkpoint (that run continues from its checkpoint) and --dry_run
+    (writes nothing) pass the check, as does a folder an earlier run left with nothing logged."""
+    import json
+
+    from common.errors import check_output_folders
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"hybridrl": {"script": "train_rm.py"}}))
+    check_output_folders({"save_path": str(out)})  # only its config.json: a run that stopped before logging
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.69}\n')
+    p = script(name, "--save_path", str(out), check=False, timeout=120)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errors[0] == (f"error: --save_path {out} already holds a run of train_rm.py (metrics.jsonl with 1 logged "
+                         "step(s)), which this one would overwrite: give another --save_path, add --load_checkpoint "
+                         "to continue that run from its newest checkpoint, or remove the folder"), errors
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "train/loss": 0.69}\n'
+    check_output_folders({"save_path": str(out), "load_checkpoint": True})
+    check_output_folders({"save_path": str(out), "dry_run": True})

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from common.errors import UserError
 from common.logger import MetricsLogger, git_commit, versions
+from tests.helpers import ROOT, env
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -121,8 +122,63 @@ def test_terminal_mode_runs(tmp_path):
         log.info("[green]done[/green]")
     out = con.file.getvalue()
     assert ANSI.search(out)  # it really rendered as a terminal
-    assert "train/loss" in out and "20/20" in out and "done" in out and "careful" in out
+    assert "loss 0.0500" in out and "20/20" in out and "done" in out and "careful" in out  # train/loss as "loss"
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 20
+
+
+def _screen_lines(out: str) -> list[str]:
+    """What a terminal shows of `out`: escape codes gone, and each redraw of the bar (after a \\r) a line."""
+    return [s.rstrip() for s in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)) if s.strip()]
+
+
+# One GRPO step's metrics as train_grpo.py logs them (a real run's keys, in its order)
+GRPO_STEP = {"rollout/reward_mean": 0.4123, "rollout/reward_std": 0.2871, "rollout/response_len_mean": 11.53,
+             "rollout/truncated_frac": 0.0313, "rollout/groups_all_equal": 0.125, "train/policy_loss": -0.01234,
+             "train/kl": 0.000123, "train/clip_frac": 0.0042, "train/entropy": 1.2345, "train/grad_norm": 0.8731,
+             "train/lr": 1e-6, "train/kl_coef": 0.01, "time/generate_s": 3.21, "time/logprobs_s": 0.87,
+             "time/train_s": 4.56, "time/weight_sync_s": 0.12, "time/step_s": 9.31, "perf/tokens_per_s": 1523.4}
+
+
+def test_terminal_lines_fit_80_columns(tmp_path):
+    """On an 80-column terminal the bar keeps its counts and times and the history lines above it stay whole,
+    with a GRPO run's real metrics: rich wrapped the history line mid-value and cut the bar to its first
+    metrics and an ellipsis."""
+    con = Console(file=io.StringIO(), force_terminal=True, width=80)
+    keys = ("rollout/reward_mean", "train/kl", "train/policy_loss", "eval/reward_mean")
+    with MetricsLogger(str(tmp_path), 1000, console=con, plot_keys=keys) as log:
+        for s in range(1, 25):
+            log.log(s, {**GRPO_STEP, **({"eval/reward_mean": 0.61, "eval/pass@1": 0.5} if s % 12 == 0 else {})})
+    lines = _screen_lines(con.file.getvalue())
+    assert max(map(len, lines)) <= 80 and not any("…" in ln for ln in lines), max(lines, key=len)
+    bars = [ln for ln in lines if not ln.startswith("step ")]
+    assert len(bars) >= 24
+    for bar in bars:  # the bar's own columns: done/total, elapsed, remaining
+        assert re.fullmatch(r"reward_mean 0\.4123  kl 1\.230e-04 \S+ +\d+/1000 \d+:\d\d:\d\d (\d+:\d\d:\d\d|-:--:--)",
+                            bar), bar
+    history = [ln for ln in lines if ln.startswith("step ")]
+    assert [h.split(" | ")[0] for h in history] == [f"step {s}/1000" for s in (1, 11, 12, 21, 24)]
+    for h in history:  # whole name-value pairs, then the time
+        assert re.fullmatch(r"step \d+/1000( \| [\w/@]+ -?\d[\d.e+-]*)+ \| \d+\.\d s", h), h
+    assert history[0].startswith("step 1/1000 | reward_mean 0.4123 | kl 1.230e-04 | policy_loss -0.0123 |"), history
+    assert history[2].startswith("step 12/1000 | eval/reward_mean 0.6100 | reward_mean 0.4123"), history  # eval first
+
+
+def test_end_says_where_the_files_went(tmp_path):
+    con = plain_console()
+    log = MetricsLogger(str(tmp_path / "run"), 2, console=con, plot_keys=("train/loss",))
+    log.log(1, {"train/loss": 0.5})
+    log.end({"policy": str(tmp_path / "run"), "critic": str(tmp_path / "run_critic")})
+    assert con.file.getvalue().splitlines()[-4:] == [
+        f"metrics: {tmp_path}/run/metrics.jsonl", f"curves: {tmp_path}/run/curves.png",
+        f"policy: {tmp_path}/run", f"critic: {tmp_path}/run_critic"]
+    # stopped early, nothing to plot
+    con = plain_console()
+    log = MetricsLogger(str(tmp_path / "cut"), 9, console=con, plot_keys=("eval/acc",))
+    log.log(1, {"train/loss": 0.5})
+    log.end({}, resume_from=str(tmp_path / "cut" / "checkpoints"))
+    assert con.file.getvalue().splitlines()[-3:] == [
+        f"metrics: {tmp_path}/cut/metrics.jsonl", "curves: none (no finite value of eval/acc)",
+        f"model: not saved (stopped before the last step); --load_checkpoint resumes from {tmp_path}/cut/checkpoints"]
 
 
 def test_png(tmp_path):
@@ -206,3 +262,54 @@ def test_versions_do_not_import_torch():
     assert v["python"] == ".".join(map(str, sys.version_info[:3]))
     assert not torch_loaded
     assert commit == git_commit() and (commit == "unknown" or re.fullmatch(r"[0-9a-f]{4,40}", commit))
+
+
+def test_config_json_names_the_script_the_commit_and_uncommitted_changes(tmp_path):
+    """A run of an edited copy is traceable from its config.json: the script's name, path and SHA-256, the
+    commit, and whether the tree had uncommitted changes (the untracked copy is one). In a git repository of
+    its own (a copy of common/), so that clean and dirty are both known."""
+    import hashlib
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(Path(ROOT) / "common", repo / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys\nfrom common.logger import MetricsLogger\n"
+            "log = MetricsLogger(sys.argv[1], 1, config={'lr': 1})\nlog.banner('t', {})\nlog.close()\n")
+    (repo / "train_x.py").write_text(code)
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+
+    def run(script: str) -> tuple[dict, str]:
+        out = tmp_path / script
+        p = subprocess.run([sys.executable, script, str(out)], cwd=repo, capture_output=True, text=True, timeout=120,
+                           env={**env(), "PYTHONPATH": str(repo)})
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads((out / "config.json").read_text())["hybridrl"], p.stdout
+
+    clean, _ = run("train_x.py")
+    assert clean["script"] == "train_x.py" and clean["script_path"] == str((repo / "train_x.py").resolve())
+    assert clean["git_commit"] == git("rev-parse", "--short", "HEAD")
+    assert clean["git_dirty"] is False and clean["git_changes"] == []
+    (repo / "my_x.py").write_text(code + "# edited\n")  # copied and edited, not committed
+    edited, banner = run("my_x.py")
+    assert edited["script"] == "my_x.py" and edited["git_dirty"] is True and edited["git_changes"] == ["?? my_x.py"]
+    assert edited["script_sha256"] == hashlib.sha256((repo / "my_x.py").read_bytes()).hexdigest() != clean["script_sha256"]
+    assert f"source: my_x.py at commit {clean['git_commit']}, uncommitted changes in 1 file(s)" in banner, banner
+
+
+def test_banner_says_what_the_run_does_to_its_folder(tmp_path):
+    def banner(**kw) -> str:
+        log = MetricsLogger(str(tmp_path), 5, console=plain_console(), **kw)
+        log.banner("t", {})
+        log.log(kw.get("start_step", 1), {"train/loss": 1.0})
+        log.close()
+        return log.console.file.getvalue()
+
+    assert f"output: {tmp_path}: a new run (a folder holding another run is refused" in banner()
+    assert f"output: {tmp_path}: continues the run there from step 3 (--load_checkpoint)" in banner(start_step=3, append=True)

@@ -192,10 +192,81 @@ def test_a_hub_id_is_planned_only_from_the_cache():
     mp.check_memory(plan)
 
 
+def test_the_seed_ppo_command_off_line_says_how_to_plan_and_which_flag_fits_80_gb(tmp_path):
+    """The seed's 8B PPO command with --dry_run on a machine with neither the models nor a GPU: the hub ids
+    get the command that writes a config of their sizes (run here as printed, so its flag is spelt as the
+    script takes it); with that config the plan (99.7 GiB per GPU at the weight sync) is checked against an
+    80 GB GPU, OpenRLHF's documented size, and names --adam_offload as the flag that fits alone, with why
+    OpenRLHF's command needs it here (actor and critic peak together). With it, 68.6 GiB: fits."""
+    from tests.test_rl import REFERENCE_PPO
+
+    def dry_run(model: str, rm: str) -> str:
+        args = REFERENCE_PPO.format(model=model, rm=rm, out=str(tmp_path / "out")).split()
+        p = subprocess.run([PY, "train_ppo.py", *args, "--dry_run"], cwd=ROOT, env=env() | {"HF_HUB_OFFLINE": "1"},
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return " ".join(p.stdout.split())  # the warning's lines joined: one message
+
+    out = dry_run("meta-llama/Meta-Llama-3-8B", "OpenRLHF/Llama-3-8b-rm-700k")
+    assert "memory plan: none (meta-llama/Meta-Llama-3-8B is neither a local folder nor in the Hugging Face cache" in out
+    assert "`hf download meta-llama/Meta-Llama-3-8B config.json`" in out, out
+    cmd = re.search(r"`(python bench/make_model\.py --shape 8b --config-only --out DIR)`", out)
+    assert cmd, out
+    model = tmp_path / "llama3-8b"
+    p = subprocess.run(cmd.group(1).replace("DIR", str(model)).replace("python", PY, 1).split(), cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and (model / "config.json").exists(), p.stderr[-3000:]
+
+    out = dry_run(str(model), str(model / "config.json"))  # a folder, or its config.json alone
+    assert "peak at sync, needs a GPU of 99.7 GiB" in out, out
+    assert ("no GPU visible here; on an 80 GB GPU (A100/H100 80GB: 79.6 GiB, the size OpenRLHF's 8-GPU commands are "
+            "documented on): the memory plan needs 99.7 GiB on each GPU of actor+critic+ref+reward+vllm "
+            "(sync: actor 59.2 + critic 31.0 + vllm 9.5)") in out, out
+    assert "Flags that lower it, most saving first: --adam_offload (-31.1 GiB, fits)," in out, out
+    assert "The actor and the critic train at the same time here" in out and "until the new weights reach vLLM" in out
+    # the flag it names, planned: fits with 11 GiB to spare
+    a = dict(pretrain=str(model), reward_pretrain=str(model), bf16=True, zero_stage=3, adam_offload=True,
+             gradient_checkpointing=True, packing_samples=True, n_samples_per_prompt=1, prompt_max_len=1024,
+             generate_max_len=1024, micro_train_batch_size=8, micro_rollout_batch_size=16, rollout_batch_size=1024,
+             deepspeed_enable_sleep=True, vllm_enable_sleep=True, vllm_gpu_memory_utilization=0.5)
+    plan = plan_resources(actor=(1, 8), critic=(1, 8), ref=(1, 8), reward=(1, 8), vllm_num_engines=4, vllm_tp=2,
+                          colocate_actor_ref=False, colocate_critic_reward=False, colocate_all_models=True, use_gpu=True)
+    fits = mp.from_options(a, "ppo", plan, gpu_bytes=mp.REFERENCE_GPU)
+    assert fits.worst() / GiB == pytest.approx(68.6, abs=0.05)
+    mp.check_memory(fits)
+
+
 def test_too_little_for_vllm_is_refused(tmp_path):
     path = _shape_dir(tmp_path, "8b", LLAMA_8B)
     with pytest.raises(UserError, match=r"--vllm_gpu_memory_utilization 0.1 gives each vLLM worker 8.0 GiB, less than its"):
         mp.check_memory(mp.from_options(_grpo(path, vllm_gpu_memory_utilization=0.1), "grpo", _plan(8, 8), gpu_bytes=80 * GiB))
+
+
+def test_the_gpu_a_vllm_engine_of_its_own_needs_holds_its_weights_and_a_kv_cache(tmp_path):
+    """No GPU visible (a dry run): an engine on GPUs of its own has no bytes in the plan, only its share of the
+    GPU, and the table said 'needs a GPU of 0.0 GiB'. The GPU it names is the smallest whose share holds the
+    weights and a KV cache: check_memory takes one 0.1 GiB larger and refuses one 0.5 GiB smaller."""
+    path = _shape_dir(tmp_path, "8b", LLAMA_8B)
+    a = _grpo(path)
+    apart = plan_resources(actor=(1, 1), critic=None, ref=(1, 1), reward=None, vllm_num_engines=1, vllm_tp=1,
+                           colocate_actor_ref=False, colocate_critic_reward=False, colocate_all_models=False, use_gpu=True)
+    (row,) = [r for r in mp.rows(mp.from_options(a, "grpo", apart))
+              if r["GPUs"] == "1 x vllm" and r["process"] == "= one GPU"]
+    m = re.fullmatch(r"peak at generate, needs a GPU of ([\d.]+) GiB or more "
+                     r"\(0\.5 of it for vLLM's weights and KV cache\)", row["at its peak (GiB)"])
+    assert m, row
+    need = float(m.group(1))
+    assert 30 < need < 36  # Llama-3-8B's 15 GiB of bf16 weights and 2 GiB of cache in half of the GPU
+
+    def refusal(gib: float) -> str:
+        try:
+            mp.check_memory(mp.from_options(a, "grpo", apart, gpu_bytes=int(gib * GiB)))
+        except UserError as e:
+            return str(e)
+        return ""
+
+    assert "vLLM worker" not in refusal(need + 0.1)  # the actor may not fit there: that is another row's figure
+    assert "--vllm_gpu_memory_utilization 0.5 gives each vLLM worker" in refusal(need - 0.5)
 
 
 def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path):

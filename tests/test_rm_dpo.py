@@ -68,6 +68,8 @@ def test_dpo_learns_the_builtin_task_first_loss_is_ln2(tmp_path, tiny):
     p = script("train_dpo.py", "--save_path", out, "--max_steps", "30", "--eval_steps", "30")
     assert "built successfully" not in p.stdout  # DeepSpeed's line at every start, cached op or not (#22)
     assert p.stdout.startswith("== hybridrl train_dpo ==")  # the banner is the first thing a user reads
+    assert p.stdout.splitlines()[-3:] == [f"metrics: {out}/metrics.jsonl", f"curves: {out}/curves.png",
+                                          f"policy: {out}"], p.stdout[-2000:]  # and where it all went, the last
     rows = metrics(out)
     assert rows[0]["train/loss"] == pytest.approx(0.693147, abs=1e-4)  # policy == reference at step 1
     assert last(rows, "eval/reward_acc") >= 0.8
@@ -85,8 +87,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny, name):
     full = str(tmp_path / "full")
     flags = ["--max_steps", "6", "--save_steps", "3", "--eval_steps", "3", "--train_batch_size", "16",
              "--micro_train_batch_size", "8", "--max_samples", "200"]
-    script(name, "--save_path", full, *flags)
+    script(name, "--save_path", full, *flags, "--save_hf_ckpt")
     assert os.path.isdir(os.path.join(full, "checkpoints", "step00000003"))
+    role = "policy" if name == "train_dpo.py" else "model"  # --save_hf_ckpt: a Hugging Face copy in each checkpoint
+    assert os.path.exists(os.path.join(full, "checkpoints", "step00000003", role, "hf", "config.json"))
     resumed = str(tmp_path / "resumed")
     script(name, "--save_path", resumed, "--ckpt_path", os.path.join(full, "checkpoints"), "--load_checkpoint", *flags)
     a, b = _comparable(metrics(full)), _comparable(metrics(resumed))
@@ -141,6 +145,8 @@ def test_reference_commands_run_under_the_deepspeed_launcher(tmp_path, tiny, pre
     text = p.stdout + p.stderr
     assert "no native bf16" in text or "bfloat16" in text  # --bf16 either used or its fallback said once
     assert "flash-attention is not available" in text
+    # the reference's --max_len against the tiny model's 512 positions: said, and run as asked
+    assert "--max_len 8192 exceeds the model's 512 positions (max_position_embeddings in its config.json)" in text
     assert len(metrics(out)) == 1  # 256 pairs / batch 256 = one step
     assert os.path.exists(os.path.join(out, "model.safetensors"))
 

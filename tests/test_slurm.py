@@ -30,6 +30,18 @@ def _sh(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _checkout(tmp_path) -> str:
+    """A copy of the repo's files as a fresh clone has them (no logs/, no output/, no .venv): what a
+    user submits from. The jobs take PYTHON from the environment."""
+    dest = tmp_path / "repo"
+    files = _sh(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
+    for rel in filter(None, files.split("\0")):
+        if os.path.isfile(os.path.join(ROOT, rel)):  # a file deleted but not yet committed is not there
+            os.makedirs(dest / os.path.dirname(rel), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), dest / rel)
+    return str(dest)
+
+
 def _ensure_installed(tools: tuple[str, ...], packages: tuple[str, ...]) -> None:
     """Install `packages` with apt-get when one of `tools` is missing; skip if apt-get cannot run."""
     if all(shutil.which(t) for t in tools):
@@ -264,6 +276,40 @@ def test_ppo_8b_plan_is_one_hybrid_node_with_a_critic():
     assert _total_gpus(out) == 8 and "critic" in out, out
 
 
+@pytest.mark.parametrize("template,script", [("sft_8b.sh", "train_sft.py"), ("rm_8b.sh", "train_rm.py"),
+                                             ("dpo_8b.sh", "train_dpo.py")])
+def test_deepspeed_templates_dry_run_off_a_cluster(template, script):
+    """DRY_RUN=1 outside a job (no node list; scontrol exited 127 here before) prints the command each
+    rank would run, the flags after the template's name last, so that they win."""
+    out = _dry_run(template, "--max_epochs", "2")
+    cmd = out.splitlines()[-1].split()
+    assert "would run:" in out and cmd[:2] == [PY, script], out
+    assert cmd[-2:] == ["--max_epochs", "2"] and "--load_checkpoint" in cmd and "--save_path" in cmd, out
+
+
+def _pipeline(*, cwd: str = ROOT, **extra: str) -> subprocess.CompletedProcess:
+    return _sh(["bash", "slurm/pipeline_8b.sh"], cwd=cwd, env=env() | {"PYTHON": PY} | extra, timeout=120)
+
+
+def test_pipeline_8b_dry_run_prints_the_three_submissions():
+    p = _pipeline(DRY_RUN="1", SFT_FLAGS="--max_epochs 2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeline_8b: DRY_RUN=1:")]
+    assert [ln.split()[2] for ln in lines] == ["sft", "rm", "ppo"], p.stderr
+    assert lines[0].endswith("slurm/sft_8b.sh --max_epochs 2"), lines[0]
+    assert "--dependency=afterok:SFT_JOB_ID" in lines[1] and "--dependency=afterok:RM_JOB_ID" in lines[2], lines
+
+
+def test_pipeline_8b_stops_naming_the_stage_when_sbatch_fails(tmp_path):
+    """An sbatch that fails (no Slurm here, or a partition Slurm refuses) stops the pipeline with a
+    non-zero exit naming the stage; before, it went on and printed empty job ids with exit 0."""
+    p = _pipeline(cwd=_checkout(tmp_path), SBATCH_FLAGS="--partition=no-such-partition",
+                  SLURM_CONF="/nonexistent/slurm.conf")
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "pipeline_8b: sbatch failed for the sft stage" in p.stderr and "no job was submitted" in p.stderr, p.stderr
+    assert "-> rm job" not in p.stdout, p.stdout
+
+
 # ---- jobs on the real Slurm
 
 # Turns a GPU template into a one-node CPU job: the command line overrides its #SBATCH lines.
@@ -433,14 +479,15 @@ def test_time_limit_warning_checkpoints_the_ray_job_and_requeues_it(slurm, tmp_p
 def test_pipeline_8b_chains_sft_rm_ppo_as_dependent_jobs(slurm, tmp_path):
     """slurm/pipeline_8b.sh submits three jobs, each after the one before succeeded (afterok) and reading
     its folder: SFT and the reward model train the tiny model for a few steps (srun, one rank), and
-    the PPO job prints its 8-GPU plan (PPO_DRY_RUN=1: this node has no GPUs)."""
-    out = tmp_path / "pipeline"
+    the PPO job prints its 8-GPU plan (PPO_DRY_RUN=1: this node has no GPUs). From a fresh clone, with
+    the templates' own logs/%x-%j.out: the script makes logs/, which sbatch needs before a job starts."""
+    out, repo = tmp_path / "pipeline", _checkout(tmp_path)
     tiny = _job_env(tmp_path) | {
         "OUT": str(out), "SFT_DATASET": "", "RM_DATASET": "", "PROMPT_DATA": "", "PPO_DRY_RUN": "1",
-        "SBATCH_FLAGS": " ".join(_cpu_job(tmp_path, ntasks=1)),
+        "SBATCH_FLAGS": " ".join(f for f in _cpu_job(tmp_path, ntasks=1) if not f.startswith("--output")),
         "SFT_FLAGS": "--max_steps 3 --eval_steps 3 --train_batch_size 8 --micro_train_batch_size 4 --max_len 128",
         "RM_FLAGS": " ".join([*TINY_PAIRS, "--max_steps", "2", "--learning_rate", "5e-4"])}
-    p = _sh(["bash", "slurm/pipeline_8b.sh"], cwd=ROOT, env=slurm.env | tiny, timeout=60)
+    p = _sh(["bash", "slurm/pipeline_8b.sh"], cwd=repo, env=slurm.env | tiny, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     m = re.search(r"sft job (\d+) -> rm job (\d+) -> ppo job (\d+)", p.stdout)
     assert m, p.stdout
@@ -455,3 +502,24 @@ def test_pipeline_8b_chains_sft_rm_ppo_as_dependent_jobs(slurm, tmp_path):
     assert f"model: {out / 'sft'}" in slurm.job_output(rm), slurm.job_output(rm)  # the RM starts from the SFT model
     plan = slurm.job_output(ppo)
     assert _total_gpus(plan) == 8 and "group actor+critic+ref+reward+vllm" in plan, plan
+    assert sorted(os.listdir(os.path.join(repo, "logs"))) == sorted(
+        [f"sft-8b-{sft}.out", f"rm-8b-{rm}.out", f"ppo-8b-{ppo}.out"])
+
+
+def test_readme_slurm_line_runs_as_written_from_a_fresh_clone(slurm, tmp_path):
+    """The README's Slurm line, verbatim, from a fresh clone (no logs/): sbatch opens the job's
+    logs/%x-%j.out before the job starts and does not make the folder, so a bare `sbatch` there made a
+    job that failed at once, with no log. sbatch's environment sets GPUs to 0 (this node has none) and
+    DRY_RUN=1 makes the job print its plan."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bullet = readme[readme.index("\n- Slurm"):]
+    bullet = bullet[:bullet.index("\n- ", 1)]
+    line = next(s for s in re.findall(r"`([^`]+)`", bullet) if "sbatch slurm/grpo_8b.sh" in s)
+    repo = _checkout(tmp_path)
+    p = _sh(["bash", "-c", line], cwd=repo,
+            env=slurm.env | _job_env(tmp_path) | {"DRY_RUN": "1", "SBATCH_GPUS_PER_NODE": "0"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    job = re.search(r"Submitted batch job (\d+)", p.stdout).group(1)
+    state, log = slurm.finish(job, timeout=300), os.path.join(repo, "logs", f"grpo-8b-{job}.out")
+    assert state == "COMPLETED" and os.path.exists(log), (line, state, slurm.job(job))
+    assert _total_gpus(open(log).read()) == 8
