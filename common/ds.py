@@ -32,7 +32,7 @@ class DSSettings:
     fused_adam: bool = False  # DeepSpeed's own Adam: required by offload_states (sleep) under ZeRO-3
     # With bf16: keep the weights in fp32 and run the forward under torch.autocast (DeepSpeed's
     # torch_autocast) instead of bf16 weights with an fp32 master copy. One copy of the weights fewer,
-    # no flat master/gradient copies, norms and softmax in fp32: faster on one GPU (docs/performance.md).
+    # no flat master/gradient copies, norms and softmax in fp32: faster on one GPU (dev/LOG.md).
     autocast: bool = False
     compile: bool = False  # torch.compile each transformer block (common.models.compile_layers)
     # OpenRLHF's DeepSpeed flags (common.openrlhf_flags.ds_keys): --zpg, --overlap_comm, --grad_accum_dtype,
@@ -82,7 +82,7 @@ def zero_note(stage: int, world_size: int, device: torch.device) -> str | None:
     """A banner warning for ZeRO-3 on a single GPU, where it costs time and saves nothing."""
     if stage == 3 and world_size == 1 and device.type == "cuda":
         return ("--zero_stage 3 on one GPU: nothing to shard, yet every layer's weights are gathered again on each "
-                "forward and backward (3x slower than ZeRO-2 on an H200, docs/gpu-figures.md); prefer --zero_stage 2 "
+                "forward and backward (3x slower than ZeRO-2 on an H200, docs/performance.md); prefer --zero_stage 2 "
                 "unless the model only fits with 3")
     return None
 
@@ -120,7 +120,7 @@ def train_config(s: DSSettings, world_size: int, dtype: torch.dtype) -> dict:
 def use_expandable_segments() -> str | None:
     """Let the caching allocator grow segments in place (PyTorch's expandable_segments) in a DeepSpeed
     worker, before its first allocation: the reserved memory then stays near the allocated peak instead
-    of holding blocks that no later tensor fits (10.5 GiB at the 3B bench's peak, docs/performance.md).
+    of holding blocks that no later tensor fits (10.5 GiB at the 3B bench's peak, dev/LOG.md).
     Not where the user set PYTORCH_CUDA_ALLOC_CONF, nor with HYBRIDRL_EXPANDABLE_SEGMENTS=0 (an escape
     should CUDA IPC of such memory fail on some driver); never in vLLM's processes, whose sleep mode
     refuses it. Returns the setting made, or None."""

@@ -11,7 +11,7 @@ reference flags fit one H200 (docs/performance.md). tests/test_memory_plan.py ho
 A reload behind the training passes was tried (2026-12-02): the weights and gradient buffers first, the
 fp32 master and Adam moments in a thread on a CUDA stream of its own while the forward and backward ran,
 waited for before the optimizer step. Its numbers were the same, but on the 1.5B shape under ZeRO-3 it
-hid the 0.52 s reload and made the training passes 1.1 s slower (docs/performance.md), so the reload
+hid the 0.52 s reload and made the training passes 1.1 s slower (dev/LOG.md), so the reload
 stays one blocking piece.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def start_history() -> None:
 
 def dump_history(name: str, calls: int) -> None:
     """At the `HYBRIDRL_MEMORY_SNAPSHOT_AT`-th call (default 2: one step after the first), the recorded
-    history to {folder}/{name}.pickle (bench/mem_peak.py lists what was live at its peak), and stop."""
+    history to {folder}/{name}.pickle (dev/probes/mem_peak.py lists what was live at its peak), and stop."""
     import torch
 
     folder = os.environ.get("HYBRIDRL_MEMORY_SNAPSHOT")

@@ -6,7 +6,7 @@ reference, the reward model) sits on a trained role's GPUs with as many workers.
 loads into the trained role's rank of the same index (`ModelWorker.host`): one process per GPU instead
 of two, so one CUDA context, and one caching allocator whose blocks the frozen model's no-grad forward
 reuses after the trained model's activations freed them. The reference of the 3B bench held ~9 GiB in
-a process of its own, 5.75 of them its weights (docs/performance.md). Training is unchanged: the same
+a process of its own, 5.75 of them its weights (dev/LOG.md). Training is unchanged: the same
 models run the same forward passes in the same order (tests/test_rl.py compares the two layouts).
 HYBRIDRL_SHARE_PROCESS=0 keeps a process per role (for the bench's comparison).
 

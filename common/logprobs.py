@@ -17,7 +17,7 @@ import torch
 # into a few fused kernels over the whole tensor: the forward reads the logits twice (max, then
 # the exp-sums with the label's logit and the entropy), the backward reads them once and writes the
 # gradient, with no fp32 intermediate in memory (the eager blocks took 10x longer there:
-# docs/performance.md).
+# dev/LOG.md).
 
 def _blocks(B: int, T: int, chunk_tokens: int):
     """(batch slice, time slice) blocks of about `chunk_tokens` positions covering [B, T]."""

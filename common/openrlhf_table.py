@@ -17,15 +17,14 @@ another demo default: with --pretrain the OpenRLHF value is used. Pure data: no 
 from __future__ import annotations
 
 INF = float("inf")
-LORA = "LoRA is not supported yet (issue #9's capability); drop it to train all weights"
+LORA = "LoRA is not supported here yet; drop it to train all weights"
 RING = "ring attention (sequence parallelism) is not supported yet; drop it (--gradient_checkpointing saves activation memory)"
 VLM = "images / vision-language models are not supported yet; drop it (text prompts only)"
 DYN = "dynamic batching by token budget is not supported yet; drop it and size batches with --micro_train_batch_size"
 TP = "DeepSpeed tensor parallelism (AutoTP) is not supported yet; drop it and shard with --zero_stage 3"
-Q4 = "4-bit (QLoRA) loading is not supported yet (it comes with issue #9's LoRA); drop it"
+Q4 = "4-bit (QLoRA) loading is not supported here yet (it needs LoRA); drop it"
 EMA = "an EMA copy of the actor is not supported yet; drop it"
 MS = "ModelScope downloads are not supported; drop it (models come from the Hugging Face hub or a local folder)"
-EVAL18 = "evaluation on a prompt set with sampled answers comes with issue #18; drop it for now"
 
 # Flags all four (five, with SFT) CLIs share.
 _COMMON = {

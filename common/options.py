@@ -104,9 +104,10 @@ RefRewardOffload = Annotated[bool, flag("ref_reward_offload", "Keep the referenc
 SavePath = Annotated[str, opt("save_path", "Output folder: final model (Hugging Face format), metrics.jsonl, config.json, curves.png.", LOG)]
 SaveSteps = Annotated[int, opt("save_steps", "Save a resumable checkpoint every N steps (-1 = never).", LOG)]
 LoggingSteps = Annotated[int, opt("logging_steps", "Log metrics every N steps.", LOG, min=1)]
-EvalSteps = Annotated[int, opt("eval_steps", "Evaluate every N steps (-1 = at the end of each epoch: in the RL scripts each pass over the prompts, where OpenRLHF's -1 means never; the last step always).", LOG)]
+EvalSteps = Annotated[int, opt("eval_steps", "Evaluate every N steps (the RL scripts from step 0, the starting policy; -1 = at the end of each epoch: in the RL scripts each pass over the prompts, where OpenRLHF's -1 means never; the last step always).", LOG)]
 EvalTemperature = Annotated[float, opt("eval_temperature", "Sampling temperature of the RL evaluations.", LOG, min=0.0)]
 EvalNSamples = Annotated[int, opt("eval_n_samples_per_prompt", "Answers sampled per held-out prompt: eval/pass@k for k up to this (Chen et al.'s unbiased estimator).", LOG, min=1)]
+EvalCorrectThreshold = Annotated[float, opt("eval_correct_threshold", "A sampled answer counts as correct in eval/pass@k when its reward is >= this (1.0: full marks of a 0-1 rule such as the built-in task's exact copy); a reward function that returns {\"rewards\", \"pass\"} decides itself.", LOG)]
 BestMetricKey = Annotated[str, opt("best_metric_key", "Keep the checkpoint of the best evaluation by this metric in <ckpt_path>/best (empty: eval/pass@1; none: keep none).", LOG)]
 CkptPath = Annotated[Optional[str], opt("ckpt_path", "Folder for resumable checkpoints (default: <save_path>/checkpoints).", LOG)]
 MaxCkptNum = Annotated[int, opt("max_ckpt_num", "Keep at most this many checkpoints (the newest good one is never deleted).", LOG, min=1)]
@@ -139,7 +140,7 @@ EpsClipLowHigh = Annotated[Optional[tuple[float, float]], opt("eps_clip_low_high
 DualClip = Annotated[Optional[float], opt("dual_clip", "Dual-clip bound c > 1 for negative advantages.", ALGO)]
 ValueClip = Annotated[Optional[float], opt("value_clip", "Clip the value update to this range around the old values.", ALGO)]
 NormalizeReward = Annotated[bool, flag("normalize_reward", "OpenRLHF's: the reward model's scores and the critic's values become (r - mean) / std with the mean and std recorded in their config.json (train_rm.py records them; none: 0 and 1). Rule-based and remote rewards are not changed.", ALGO)]
-NoAdvStdNorm = Annotated[bool, flag("no_advantage_std_norm", "Do not divide group advantages by the group std.", ALGO)]
+NoAdvStdNorm = Annotated[bool, flag("no_advantage_std_norm", "Do not divide advantages by a std: group_norm's advantages stay r - group mean (no division by the group std; OpenRLHF's code ignores the flag there), and gae, reinforce and reinforce_baseline are only mean-centred over the batch, as in OpenRLHF. Refused with dr_grpo and rloo, which never divide by a std.", ALGO)]
 EntropyLossCoef = Annotated[Optional[float], opt("entropy_loss_coef", "Entropy bonus coefficient; unset: entropy is not computed (0: computed and logged only).", ALGO)]
 LossAgg = Annotated[Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]], opt("loss_agg_mode", "How per-token losses make a step's loss, over all its micro-batches and ranks: token_mean (every token alike, DAPO) | seq_mean_token_mean (each sequence's mean, then over sequences) | seq_mean_token_sum_norm (each sequence's sum / --generate_max_len, Dr. GRPO). Default: seq_mean_token_sum_norm with --advantage_estimator dr_grpo, seq_mean_token_mean with --policy_loss_type gspo, else token_mean (OpenRLHF has no such flag: its loss is each micro-batch's token mean).", ALGO)]
 DynamicFiltering = Annotated[bool, flag("dynamic_filtering", "DAPO's dynamic sampling: drop prompt groups whose mean score is outside --dynamic_filtering_reward_range (the step trains on the groups left; OpenRLHF samples replacements).", ALGO)]
@@ -211,6 +212,9 @@ def check_precision(a: dict) -> None:
     from common.errors import require
 
     require(a["bf16"] or not a["torch_autocast"], "--torch_autocast is a way to run --bf16: add --bf16 or drop it")
+    require(a["gradient_checkpointing"] or not a.get("gradient_checkpointing_use_reentrant"),
+            "--gradient_checkpointing_use_reentrant picks how --gradient_checkpointing recomputes activations: "
+            "add --gradient_checkpointing or drop it")
     require(not (a["torch_autocast"] and a.get("deepspeed_enable_sleep")),
             "--deepspeed_enable_sleep offloads the states of DeepSpeed's bf16 mode; with --torch_autocast it is not "
             "supported yet: drop one of them")

@@ -41,7 +41,7 @@ def packs_here(attn: str, device_type: str) -> bool:
     """Whether --packing_samples packs with this attention on this device. SDPA has no variable-length
     kernel: a packed micro-batch of b rows is one row of b x t tokens under a block-diagonal mask, whose
     attention costs b times the padded rows' (on an H200 it made the 3B reference flags' training phase
-    slower, docs/performance.md); so on a GPU without flash-attention the rows stay padded (same results).
+    slower, dev/LOG.md); so on a GPU without flash-attention the rows stay padded (same results).
     On CPU packing stays on: the tests run its path there, and no kernel skips padding either."""
     return attn == "flash_attention_2" or device_type != "cuda"
 

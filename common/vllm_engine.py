@@ -162,7 +162,7 @@ class VllmEngine:
         # vLLM refuses n > 1 with greedy decoding; the n copies would be identical, so repeat one.
         # One seed per request: the same seed on every request would give every prompt the same noise.
         # flat_logprobs: a few flat lists per sample instead of a dict and an object per token (fewer
-        # objects; on the 0.5B bench no faster, 0.899 against 0.902 s: docs/performance.md).
+        # objects; on the 0.5B bench no faster, 0.899 against 0.902 s: dev/LOG.md).
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else sampling["temperature"],
                                  top_p=sampling["top_p"], max_tokens=sampling["max_new_tokens"],
                                  logprobs=0 if want_lp else None, flat_logprobs=True, detokenize=False,

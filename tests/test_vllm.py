@@ -434,12 +434,13 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
     # two optimizer steps per rollout: the old log-probs and the IS weights come from a separate forward
     script("train_grpo.py", "--save_path", out, "--vllm_num_engines", "2", "--max_steps", "10", "--eval_steps", "5",
            "--enable_vllm_is_correction")  # which asks the engines for log-probs at every step
-    rows = metrics(out)
+    start, *rows = metrics(out)  # step 0: the engines' evaluation of the starting policy
     worst = _check_engine_metrics(rows, 10, is_correction=True)
     rewards = [r["rollout/reward_mean"] for r in rows]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     print(f"GRPO 2 engines: {time.perf_counter() - t0:.0f} s, reward {first:.2f} -> {last:.2f}, max logprob_diff {worst:.1e}")
     assert last - first >= 0.2, rewards
+    assert start["step"] == 0 and "eval/reward_mean" in start
     assert "eval/reward_mean" in rows[4] and "eval/reward_mean" in rows[9]
 
 
