@@ -1,4 +1,4 @@
-# Two commands on a fresh machine (README, Quick start):
+# Commands that work on a fresh machine with nothing downloaded (README, "Try it"):
 #   make demo   -> installs into .venv, then trains the built-in default (GRPO on the built-in task)
 #   make pipeline -> SFT -> reward model -> PPO on the built-in task, each stage from the one before
 #   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
@@ -52,25 +52,48 @@ check-torch:
 demo: install
 	$(BIN)/python train_grpo.py
 
-# OpenRLHF's workflow on the built-in task, each stage reading the one before: SFT (the tiny model
-# untrained), a reward model from the SFT model, PPO of the SFT model against it (the critic starts
-# from the reward model). --pretrain switches on OpenRLHF's defaults, made for real models, so the
-# RM and PPO stages spell out the demo's sizes. ~2 min on 2 cores; tests/test_sft.py runs it.
+# OpenRLHF's workflow on the built-in task, each stage reading the one before: SFT of the built-in
+# tiny base model (pretrained on the task with noisy answers: OpenRLHF too starts from a base model), a
+# reward model from the SFT model, PPO of the SFT model against it (the critic starts from the reward
+# model). --pretrain switches on OpenRLHF's defaults, made for real models, so each stage spells out
+# the demo's sizes. ~2 min on 2 cores. tests/test_sft.py runs it and checks that PPO raises the share
+# of exactly right answers (rollout/exact_match, the task's own rule) with truncation and KL bounded.
+# These settings replace ones under which PPO hacked the reward model (its score 0.30 -> 0.80 while
+# every answer ran to --generate_max_len as 'star moon star ...', KL 4.9), for three reasons measured
+# in 2026-12 (seeds 3, 7, 42):
+# - SFT from an untrained model (275 steps) stopped halfway through learning to copy, where a few
+#   steps more copy everything: its samples were mostly wrong, the reward model built on it in 200
+#   steps ranked a wrong answer above the right one of the same prompt a third of the time and scored
+#   the right answer with an extra word (0.72) or cut off before its end token (0.48) above the right
+#   answer (0.26), and PPO's first updates broke the half-formed model. A short, gentle SFT of the base
+#   model answers right when greedy and is uncertain when sampled; the reward model, 400 steps from
+#   it, ranks 95% of such pairs right.
+# - --init_kl_coef 0.001 with no warm-up at --actor_learning_rate 3e-4 held nothing back: now 0.05,
+#   a 10% warm-up and 1e-4 keep the KL to the SFT model under ~0.5.
+# - The reward model never scores an answer without its end token in training, yet PPO scores cut-off
+#   answers there; it rates a rambling cut-off answer about as high as a right one. A cut-off answer
+#   is always wrong on this task: --stop_properly_penalty_coef -2 (ProRL) scores it below any other.
+# The best checkpoint goes by eval/exact_match: a reward model's score has no "right" level for pass@k.
+# The SFT stage's --pretrain is the base model's folder, built on first use; `tail -n 1` because the
+# build's imports may print a line of their own first (DeepSpeed's accelerator note).
 PIPELINE_DIR ?= ./output/pipeline
-SFT_STEPS ?= 275
-RM_STEPS ?= 200
+SFT_STEPS ?= 100
+RM_STEPS ?= 400
 PPO_STEPS ?= 24
 pipeline: install
-	$(BIN)/python train_sft.py --save_path $(PIPELINE_DIR)/sft --max_steps $(SFT_STEPS)
+	$(BIN)/python train_sft.py --pretrain "$$($(BIN)/python -c 'from common.tiny import tiny_model_path; print(tiny_model_path())' | tail -n 1)" \
+	  --save_path $(PIPELINE_DIR)/sft --max_steps $(SFT_STEPS) --param_dtype fp32 --train_batch_size 32 \
+	  --micro_train_batch_size 32 --learning_rate 1e-5 --max_len 512
 	$(BIN)/python train_rm.py --pretrain $(PIPELINE_DIR)/sft --save_path $(PIPELINE_DIR)/rm --max_steps $(RM_STEPS) \
 	  --eval_steps $(RM_STEPS) --param_dtype fp32 --train_batch_size 32 --micro_train_batch_size 16 \
 	  --learning_rate 5e-4 --max_len 512
 	$(BIN)/python train_ppo.py --pretrain $(PIPELINE_DIR)/sft --reward_pretrain $(PIPELINE_DIR)/rm \
 	  --save_path $(PIPELINE_DIR)/ppo --max_steps $(PPO_STEPS) --param_dtype fp32 --normalize_reward \
 	  --rollout_batch_size 64 --micro_rollout_batch_size 64 --train_batch_size 64 --micro_train_batch_size 64 \
-	  --actor_learning_rate 3e-4 --critic_learning_rate 1e-3 --init_kl_coef 0.001 --kl_estimator k3 \
-	  --lambd 0.95 --value_clip 0.2 --lr_scheduler constant_with_warmup --lr_warmup_ratio 0 \
-	  --prompt_max_len 1024 --generate_max_len 12 --eval_steps -1
+	  --actor_learning_rate 1e-4 --critic_learning_rate 1e-3 --init_kl_coef 0.05 --kl_estimator k3 \
+	  --lambd 0.95 --value_clip 0.2 --lr_scheduler constant_with_warmup --lr_warmup_ratio 0.1 \
+	  --stop_properly_penalty_coef -2 --prompt_max_len 1024 --generate_max_len 12 --eval_steps 8 \
+	  --best_metric_key eval/exact_match
 
 # Two workers, a file each at a time: most of an end-to-end test is processes starting and waiting on
 # each other, so two of them share the two cores well (33 min against ~45 alone, 2026-12-02).

@@ -28,7 +28,7 @@ from common import openrlhf_flags as orl
 from common import options as o
 from common import rl_checks
 from common.errors import exit_on_user_error, require
-from common.prompts import template_notes
+from common.prompts import prompt_tail, template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -154,6 +154,7 @@ def main(
     eval_split: o.EvalSplit = "train",
     eval_temperature: o.EvalTemperature = 1.0,
     eval_n_samples_per_prompt: o.EvalNSamples = 4,
+    eval_correct_threshold: o.EvalCorrectThreshold = 1.0,
     best_metric_key: o.BestMetricKey = "",
     ckpt_path: o.CkptPath = None,
     max_ckpt_num: o.MaxCkptNum = 3,
@@ -186,6 +187,11 @@ def main(
 def check_options(a: o.Options) -> None:
     est = a.advantage_estimator
     require(est in ESTIMATORS, f"--advantage_estimator {est}: choose one of {', '.join(ESTIMATORS)}")
+    no_std = {"dr_grpo": "r - the group mean", "rloo": "r - the mean of the other samples"}
+    require(not (a.no_advantage_std_norm and est in no_std),
+            f"--no_advantage_std_norm with --advantage_estimator {est}: its advantage ({no_std.get(est)}) is never "
+            "divided by a std, so the flag would change nothing; drop it (it removes group_norm's division by the "
+            "group std, and the batch whitening's of gae, reinforce and reinforce_baseline)")
     rl_checks.check_rl(a, GROUP_ESTIMATORS)
     template_notes(a)  # --input_template: errors here, notes in the banner
 
@@ -212,10 +218,11 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common.advantages import KLController, kl_estimate, length_penalties, rl_advantages
+    from common.advantages import KLController, group_all_equal, kl_estimate, length_penalties, rl_advantages
     from common.data import iterate_batches
     from common.losses import aggregate, masked_mean, policy_loss, sampler_gap, value_loss
     from common.ray_groups import get
+    from common.rl_eval import KL_WARN, TRUNCATED_WARN
     from common.rl_run import RLRun
     from common.rollout import make_batch, split_batch
     from common.rollout_queue import RolloutQueue, staleness
@@ -282,6 +289,8 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     # --partial_rollout: the engines generate in chunks and take each weight sync between two, so a
     # sample's later tokens may come from newer weights (common/partial_rollout.py)
     chunk = a.partial_rollout_chunk if a.partial_rollout else 0
+    # sampled, not greedy: the base model's most likely word is already right, its sampling is not
+    run.evaluate_start(step, sampling)  # step 0, before any rollout is in flight: the starting point
     rollouts = RolloutQueue(
         lambda prompts, seed, lp: run.submit(prompts, sampling, seed, lp, chunk), batches, run.prompts, depth=depth,
         save_steps=a.save_steps, start=step, total=run.total_steps, seed=lambda j: a.seed * 100_003 + j * 1009,
@@ -305,6 +314,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         metrics["rollout/reward_mean"] = scores[ok].mean().item()
         metrics["rollout/reward_std"] = scores[ok].std().item() if len(ok) > 1 else 0.0
         metrics["rollout/skipped_rewards"] = len(samples) - len(ok)
+        metrics.update(run.task_metrics(batch_prompts, samples))  # which answers are right by the task's rule
         usable = set(ok)
         groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in usable for j in range(n))]
         if a.dynamic_filtering:  # DAPO: a group whose samples all pass (or all fail) teaches nothing
@@ -364,6 +374,8 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
             overlong_buffer_len=a.overlong_buffer_len, overlong_penalty_factor=a.overlong_penalty_factor,
             stop_properly_penalty_coef=a.stop_properly_penalty_coef)
         metrics.update({f"rollout/{k}": v for k, v in penalized.items()})
+        if n > 1:  # groups whose samples all scored the same: the group estimators give them advantage 0
+            metrics["rollout/tied_group_frac"] = group_all_equal(scores, n).float().mean().item()
         # reward clip, the KL penalty in the token rewards, GAE on the critic's values (or the
         # estimator's baseline and reward-to-go), whitening
         batch["advantages"], returns = rl_advantages(
@@ -421,22 +433,21 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step_s"]
         step += 1
 
-        # sampled, not greedy: the base model's most likely word is already right, its sampling is not
         run.evaluate(step, sampling, step_in_episode + 1 == run.steps_per_episode, metrics)
-        # training health: say early what usually shows up late as a collapsed run
-        if metrics["train/kl"] > 1.0:
-            log.warn_once(f"kl{step // 50}", f"step {step}: KL to the reference is {metrics['train/kl']:.2f} (> 1): "
+        # training health: say early what usually shows up late as a collapsed run (the summary judges the end)
+        if metrics["train/kl"] > KL_WARN:
+            log.warn_once(f"kl{step // 50}", f"step {step}: KL to the reference is {metrics['train/kl']:.2f} (> {KL_WARN:g}): "
                           "the policy is drifting fast; consider a larger --init_kl_coef or a smaller learning rate")
         if metrics.get("train/entropy", 1.0) < 0.05:
             log.warn_once(f"ent{step // 50}", f"step {step}: entropy {metrics['train/entropy']:.3f}: sampling has "
                           "collapsed to near-greedy; rewards may stop improving")
-        if metrics["rollout/truncated_frac"] > 0.5:
+        if metrics["rollout/truncated_frac"] > TRUNCATED_WARN:
             log.warn_once("trunc", f"step {step}: {metrics['rollout/truncated_frac']:.0%} of responses hit "
                           f"--generate_max_len {a.generate_max_len}")
         stopped = run.end_step(step, episode, step_in_episode, skipped, metrics)  # log, checkpoints, SIGTERM/Ctrl-C
         if step % 10 == 1:
             i = 0
-            log.info(f"sample: {batch_prompts[samples.prompt_index[i]].prompt_text[-60:]!r} -> "
+            log.info(f"sample: {prompt_tail(tokenizer, batch_prompts[samples.prompt_index[i]].prompt_ids)} -> "
                      f"{tokenizer.decode(samples.response_ids[i], skip_special_tokens=True)!r} (reward {scores[i].item():.2f})")
     # OpenRLHF's --save_value_network and folder name
     run.finish(stopped, {"critic": a.save_path + "_critic"} if a.save_value_network and "critic" in run.groups else None)

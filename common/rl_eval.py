@@ -5,12 +5,28 @@ of decoded responses, pass@k, the best checkpoint.
 the built-in task keeps its held-out split and a user's --prompt_data has none. Every evaluation
 samples --eval_n_samples_per_prompt answers per prompt at --eval_temperature and logs
 eval/reward_mean and eval/pass@k: the unbiased estimator of Chen et al. 2021 over each prompt's n
-samples, a sample passing when its reward is > 0 unless the reward function returns a dict with a
-"pass" list (common.rewards).
+samples, a sample passing when its reward is >= --eval_correct_threshold (1.0: full marks of a 0-1
+rule such as the built-in task's) unless the reward function returns a dict with a "pass" list
+(common.rewards). With --eval_steps N > 0 a run evaluates at step 0 too, the starting policy, so the
+curve shows the improvement.
+
+On the built-in task, whatever scores the answers (a reward model, say), rollout/ and eval/exact_match
+say which share of them is right by the task's own rule: a reward that rises while they do not is
+being exploited.
+
+The end of a run judges its health over its last fifth of steps (`run_health`): more than
+TRUNCATED_WARN of the responses hitting --generate_max_len, or a mean KL to the reference above
+KL_WARN, is a warning line in the run's summary and a 1 in metrics.jsonl's health/*_warning.
 """
 from __future__ import annotations
 
 from math import comb
+
+# The end-of-run bounds (`run_health`), also the scripts' per-step warnings. Healthy runs of the built-in
+# pipeline stay far below both (no response truncated, KL under 0.5 nats per token); its reward-hacking
+# run ended at 100% and 4.9.
+TRUNCATED_WARN = 0.5  # share of the responses that hit --generate_max_len
+KL_WARN = 1.0  # mean KL to the reference, nats per token (train/kl)
 
 
 def load_prompts(a: dict, tokenizer) -> tuple[list, list, str, int]:
@@ -47,14 +63,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def pass_metrics(scores, ok: list[int], passed: list, prompt_index: list[int], n: int) -> dict[str, float]:
+def pass_metrics(scores, ok: list[int], passed: list, prompt_index: list[int], n: int,
+                 threshold: float = 1.0) -> dict[str, float]:
     """eval/reward_mean over the usable samples, and eval/pass@k for k = 1, 2, 4, ... and n over the
-    prompts with n usable samples. scores: [N] tensor; passed: [N] bools or None (then score > 0)."""
+    prompts with n usable samples. scores: [N] tensor; passed: [N] bools or None (then a sample passes
+    when its score >= threshold, --eval_correct_threshold)."""
     usable = set(ok)
     by_prompt: dict[int, list[bool]] = {}
     for i, p in enumerate(prompt_index):
         if i in usable:
-            hit = passed[i] if passed and passed[i] is not None else float(scores[i]) > 0
+            hit = passed[i] if passed and passed[i] is not None else float(scores[i]) >= threshold
             by_prompt.setdefault(p, []).append(bool(hit))
     out = {"eval/reward_mean": float(scores[ok].mean()) if ok else float("nan")}
     full = [v for v in by_prompt.values() if len(v) == n]
@@ -64,22 +82,79 @@ def pass_metrics(scores, ok: list[int], passed: list, prompt_index: list[int], n
     return out
 
 
+def task_metrics(texts: list[str], labels: list, prefix: str) -> dict[str, float]:
+    """The built-in task's own verdict on decoded answers [N] against their labels [N], whatever reward the
+    run trains on: <prefix>/exact_match, the share copied exactly (the rule's 1.0), and <prefix>/task_reward,
+    the rule's mean (partial copies count in part)."""
+    from common.tasks import copy_reward
+
+    if not texts:
+        return {}
+    r = [copy_reward(t, y) for t, y in zip(texts, labels)]
+    return {f"{prefix}/exact_match": sum(x == 1.0 for x in r) / len(r), f"{prefix}/task_reward": sum(r) / len(r)}
+
+
 class BestCheckpoint:
     """--best_metric_key: keep the checkpoint whose evaluation scored best. As OpenRLHF: empty picks the
-    pass@1 metric, "none" keeps none."""
+    pass@1 metric, "none" keeps none. A tie goes to the later step: a metric at its ceiling must not pin
+    the first step that reached it, and more training at the same score is the better bet."""
 
     def __init__(self, key: str, resumed: dict | None = None):
         self.key = None if key == "none" else (key or "eval/pass@1")
         self.value = (resumed or {}).get("value", float("-inf"))
+        self.step = (resumed or {}).get("step")
 
-    def improved(self, metrics: dict) -> bool:
-        if self.key is None or self.key not in metrics or not metrics[self.key] > self.value:
+    def improved(self, metrics: dict, step: int | None = None) -> bool:
+        if self.key is None or self.key not in metrics or not metrics[self.key] >= self.value:  # NaN never wins
             return False
-        self.value = metrics[self.key]
+        self.value, self.step = metrics[self.key], step
         return True
 
     def state(self) -> dict:
-        return {"key": self.key, "value": self.value}
+        return {"key": self.key, "value": self.value, "step": self.step}
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def run_health(history: list[dict], generate_max_len: int) -> tuple[dict[str, float], list[str], list[str]]:
+    """The end-of-run verdict from each step's metrics (`history`, in step order): the first and the last
+    fifth of the steps (one at least) compared. Returns (health/* metrics for metrics.jsonl, summary lines,
+    warning lines): a warning when the last fifth's mean rollout/truncated_frac is above TRUNCATED_WARN
+    or its mean train/kl above KL_WARN."""
+    if not history:
+        return {}, [], []
+    k = max(1, len(history) // 5)
+    first, last = history[:k], history[-k:]
+    span = f"the first and last {k} step{'s' if k > 1 else ''}"
+    lines = []
+    for key in ("rollout/reward_mean", "rollout/exact_match", "rollout/truncated_frac", "train/kl"):
+        a, b = _mean(first, key), _mean(last, key)
+        if a is not None and b is not None:
+            lines.append(f"{key} {a:.3g} -> {b:.3g}")
+    lines = [f"summary ({span}): " + ", ".join(lines)] if lines else []
+    metrics, warnings = {}, []
+    trunc, kl = _mean(last, "rollout/truncated_frac"), _mean(last, "train/kl")
+    if trunc is not None:
+        metrics["health/truncated_frac"] = trunc
+        metrics["health/truncation_warning"] = float(trunc > TRUNCATED_WARN)
+        if trunc > TRUNCATED_WARN:
+            warnings.append(
+                f"{trunc:.0%} of the responses of the last {k} step(s) hit --generate_max_len {generate_max_len} "
+                f"(bound {TRUNCATED_WARN:.0%}): a reward that grows with length (a reward model that learned "
+                "'longer is better'?) or a limit too short for the task. Read the samples; "
+                "--stop_properly_penalty_coef or --overlong_buffer_len penalise such answers")
+    if kl is not None:
+        metrics["health/kl"] = kl
+        metrics["health/kl_warning"] = float(kl > KL_WARN)
+        if kl > KL_WARN:
+            warnings.append(
+                f"the KL to the reference averaged {kl:.2f} over the last {k} step(s) (bound {KL_WARN:g}): the policy "
+                "moved far from --pretrain, often by exploiting its reward; a larger --init_kl_coef or a smaller "
+                "--actor_learning_rate keeps it closer")
+    return metrics, lines, warnings
 
 
 def text_scorer(a: dict):

@@ -38,6 +38,10 @@ class RLRun(HybridEngine):
         self.pretrain = resolve_pretrain(a["pretrain"])
         self.tokenizer = load_tokenizer(self.pretrain)
         self.prompts, self.eval_prompts, self.src, self.dropped = load_prompts(a, self.tokenizer)
+        # the built-in task's prompts: its rule says which answers are right, whatever the reward source
+        self.task_rule = {"rollout": a["prompt_data"] is None, "eval": a["prompt_data"] is None and not a["eval_dataset"]}
+        self.history: list[dict] = []  # each step's health metrics, for the summary at the end (common.rl_eval)
+        self.health: tuple = ({}, [], [])
         self.steps_per_episode = len(self.prompts) // a["rollout_batch_size"]
         require(self.steps_per_episode > 0,
                 f"{self.src}: {len(self.prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
@@ -218,6 +222,15 @@ class RLRun(HybridEngine):
                              score_text=self.score_text, tokenizer=self.tokenizer,
                              micro_batch=self.a["micro_rollout_batch_size"], passed=passed)
 
+    def task_metrics(self, batch_prompts: list, samples, prefix: str = "rollout") -> dict:
+        """<prefix>/exact_match on the built-in task's prompts (common.rl_eval.task_metrics), else nothing."""
+        from common.rl_eval import task_metrics
+
+        if not self.task_rule[prefix]:
+            return {}
+        texts = self.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
+        return task_metrics(texts, [batch_prompts[i].label for i in samples.prompt_index], prefix)
+
     def per_rank(self, group, method: str, batch: dict, *args):
         """A group method over the batch, each rank its equal share; the results concatenated."""
         import torch
@@ -227,8 +240,8 @@ class RLRun(HybridEngine):
         return torch.cat(group.call_per_rank(method, [(b, *args) for b in split_batch(batch, len(group))]))
 
     def evaluate(self, step: int, sampling: dict, end_of_episode: bool, metrics: dict) -> None:
-        """Every --eval_steps steps (-1: at the end of each pass over the prompts) and at the last step:
-        sample the held-out prompts and log eval/reward_mean and eval/pass@k (common.rl_eval)."""
+        """Every --eval_steps steps, step 0 included (-1: at the end of each pass over the prompts), and at the
+        last step: sample the held-out prompts and log eval/reward_mean and eval/pass@k (common.rl_eval)."""
         from common.rl_eval import pass_metrics
         from common.rollout import make_batch
 
@@ -240,19 +253,38 @@ class RLRun(HybridEngine):
         ev = self.generate(self.eval_prompts, dict(sampling, n=k, temperature=a["eval_temperature"]), seed=0)
         passed: list = []
         scores, ok = self.score(self.eval_prompts, ev, make_batch(ev, self.tokenizer.pad_token_id), passed)
-        metrics.update(pass_metrics(scores, ok, passed, ev.prompt_index, k))
+        metrics.update(pass_metrics(scores, ok, passed, ev.prompt_index, k, a["eval_correct_threshold"]))
+        metrics.update(self.task_metrics(self.eval_prompts, ev, "eval"))
+
+    def evaluate_start(self, step: int, sampling: dict) -> None:
+        """Step 0 of a run that is not resumed, with --eval_steps N > 0: evaluate the starting policy, logged as
+        step 0, so the curve shows the improvement and a best checkpoint has to match it. Not saved: its
+        weights are --pretrain's."""
+        metrics: dict = {}
+        if step == 0:
+            self.evaluate(0, sampling, False, metrics)
+        if metrics:
+            self.best.improved(metrics, 0)
+            self.log.log(0, metrics)
 
     # ---------------------------------------------------------------- checkpoints and the end
     def end_step(self, step: int, episode: int, step_in_episode: int, skipped: dict, metrics: dict) -> bool:
         """Log the step, keep the best checkpoint by --best_metric_key, save every --save_steps, and stop
         after a SIGTERM or Ctrl-C with a checkpoint. True when the run stops here."""
+        from common.rl_eval import run_health
+
         a = self.a
-        if step % a["logging_steps"] == 0 or step == self.total_steps:
-            self.log.log(step, metrics)
         stop = step < self.total_steps and self.preempt.requested()
+        self.history.append({k: metrics[k] for k in ("rollout/reward_mean", "rollout/exact_match",
+                                                      "rollout/truncated_frac", "train/kl") if k in metrics})
+        if step == self.total_steps or stop:  # the run's verdict goes in its last line too
+            self.health = run_health(self.history, a["generate_max_len"])
+            metrics.update(self.health[0])
+        if step % a["logging_steps"] == 0 or step == self.total_steps or stop:
+            self.log.log(step, metrics)
         pos = (episode + 1, 0) if step_in_episode + 1 == self.steps_per_episode else (episode, step_in_episode + 1)
         state = {"step": step, "episode": pos[0], "step_in_episode": pos[1], "skipped_updates": skipped}
-        if self.best.improved(metrics):
+        if self.best.improved(metrics, step):
             state["best"] = self.best.state()
             self._save(os.path.join(self.ckpt_root, "best"), step, state, 1)
             self.log.info(f"best {self.best.key} so far ({self.best.value:.4f}): saved to {self.ckpt_root}/best")
@@ -271,20 +303,32 @@ class RLRun(HybridEngine):
         return path
 
     def finish(self, stopped: bool, extra_saves: dict | None = None) -> None:
-        """Save the policy (and {role: folder} of `extra_saves`) unless stopped early; close everything."""
+        """Save the policy (and {role: folder} of `extra_saves`) unless stopped early; print the run's summary
+        (common.rl_eval.run_health), its warnings last, and where its files went; close everything. A run
+        stopped early then raises common.errors.Stopped (exit 143 or 130)."""
         import ray
 
+        _, lines, warnings = self.health
+        for line in lines:
+            self.log.info(line)
+        if self.best.step is not None:
+            where = "the starting policy (--pretrain), not saved again" if self.best.step == 0 else f"{self.ckpt_root}/best"
+            self.log.info(f"best {self.best.key} {self.best.value:.4f} at step {self.best.step}: {where}")
+        for w in warnings:
+            self.log.warn_once(w, f"run summary: {w}")
         if not stopped:
             self.actor.call("save_hf", self.a["save_path"])
-            self.log.info(f"policy saved to {self.a['save_path']}")
             for role, path in (extra_saves or {}).items():
                 self.groups[role].call("save_hf", path)
         if self.sync:  # after the saves: an engine's failed last load (--async_train) still ends the run, losing nothing
             self.sync.wait_loaded()
-        self.log.close()
+        saved = {} if stopped else {"policy": self.a["save_path"], **(extra_saves or {})}
+        self.log.end(saved, resume_from=self.ckpt_root)  # where the files went: the run's last lines
         for g in self.groups.values():
             g.shutdown()
         for e in self.engines:
             ray.kill(e)
         ray.shutdown()  # now rather than at exit, where the interpreter first waits on Ray's threads (~0.5 s)
+        if stopped:
+            raise self.preempt.stopped()  # exit 143 / 130: training did not finish
 

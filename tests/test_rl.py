@@ -3,8 +3,10 @@
 server and a reward model; learning curves, resume, colocation, dry runs, and bad input."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,7 +37,7 @@ def default_runs(tmp_path_factory):
     return get
 
 
-DEFAULT_FLAGS = ["--max_steps", "12", "--eval_steps", "6", "--save_steps", "6"]
+DEFAULT_FLAGS = ["--max_steps", "12", "--eval_steps", "6", "--save_steps", "6", "--save_hf_ckpt"]
 
 
 @pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
@@ -43,7 +45,18 @@ def test_builtin_default_reward_rises(ray_head, default_runs, name):
     out, p = default_runs(name)
     assert "positions" not in p.stdout + p.stderr  # short prompts on a 512-position model: nothing to warn of
     rows = metrics(out)
-    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [6, 12]
+    # every --eval_steps from step 0, the starting policy: a row of its own, the eval keys only
+    evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/reward_mean" in r]
+    assert [s for s, _ in evals] == [0, 6, 12] and all(k.startswith("eval/") for k in rows[0] if "/" in k), rows[0]
+    # only an exact copy passes (--eval_correct_threshold 1.0), so pass@1 starts far from its ceiling and
+    # the improvement shows; the best checkpoint is the highest pass@1, the later step on a tie
+    assert evals[0][1] < 0.5 and evals[-1][1] > evals[0][1], evals
+    from common.checkpoint import latest_checkpoint
+
+    best = max((v, s) for s, v in evals[1:])[1]
+    assert latest_checkpoint(os.path.join(out, "checkpoints", "best", "actor")).endswith(f"step{best:08d}"), evals
+    assert f"best eval/pass@1 {max(v for _, v in evals):.4f} at step {best}:" in p.stdout
+    rows = rows[1:]
     first, last = _fifths(rows)
     assert last - first >= 0.2, (first, last)
     for key in ("rollout/response_len_mean", "train/policy_loss", "train/kl", "train/clip_frac", "train/entropy",
@@ -51,10 +64,38 @@ def test_builtin_default_reward_rises(ray_head, default_runs, name):
         assert key in rows[-1], key
     if name == "train_ppo.py":
         assert "train/value_loss" in rows[-1]
+    else:  # groups of n samples: the share whose rewards all tie (they get advantage 0)
+        assert all(0.0 <= r["rollout/tied_group_frac"] <= 1.0 for r in rows)
     assert os.path.exists(os.path.join(out, "curves.png"))
+    # --save_hf_ckpt: each checkpoint also holds a Hugging Face copy of the policy
+    assert os.path.exists(os.path.join(out, "checkpoints", "actor", "step00000006", "actor", "hf", "config.json"))
+    # the run's last lines say where its files went
+    for line in (f"metrics: {out}/metrics.jsonl", f"curves: {out}/curves.png", f"policy: {out}"):
+        assert line in p.stdout.splitlines(), (line, p.stdout[-2000:])
+    _check_samples(p.stdout)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def _check_samples(stdout: str) -> None:
+    """Each `sample:` line shows the end of its prompt in whole tokens: the last ones whose text fits 60
+    characters, `…` in front when cut (a cut of the text gave `'tart|>user\\n...'`, half of `<|im_start|>`)."""
+    from common.models import load_tokenizer
+    from common.prompts import encode, render_chat, user_turn
+    from common.tasks import user_text
+    from common.tiny import tiny_model_path
+
+    tok = load_tokenizer(tiny_model_path())
+    shown = re.findall(r"^sample: (…?)('(?:[^'\\]|\\.)*') -> ", stdout, re.M)
+    assert len(shown) == 2, stdout[-3000:]  # steps 1 and 11
+    for cut, text in shown:
+        text = ast.literal_eval(text)
+        words = re.search(r"Repeat: ([a-z ]+)<\|im_end\|>", text).group(1).split()
+        ids = encode(tok, render_chat(tok, user_turn(user_text(words)), True, "the built-in task"))
+        tails = [tok.decode(ids[-k:]) for k in range(1, len(ids) + 1)]
+        fits = [t for t in tails if len(t) <= 60]
+        assert (cut, text) == ("…" if len(fits) < len(tails) else "", fits[-1]), (cut, text, tails)
 
 
 @pytest.mark.parametrize("name", ["train_grpo.py", "train_ppo.py"])
@@ -67,8 +108,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
            *DEFAULT_FLAGS)
     keep = lambda rows: [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]  # noqa: E731
     a, b = keep(metrics(full)), keep(metrics(resumed))
-    assert [r["step"] for r in metrics(resumed)] == list(range(7, 13))
-    assert a[6:] == b
+    assert [r["step"] for r in metrics(resumed)] == list(range(7, 13))  # no step-0 evaluation when resumed
+    assert a[7:] == b  # a[0] is step 0's evaluation
 
 
 @pytest.mark.parametrize("name,flags", [
@@ -83,7 +124,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
                        "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean", "--policy_loss_type", "gspo",
                        "--bf16", "--torch_autocast", "--torch_compile", "--share_prompt_prefix"]),
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
-                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1"]),
+                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1",
+                      "--save_value_network"]),
     # also the policy's own decoding with a preallocated cache (common.decode)
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                       "--n_samples_per_prompt", "4", "--static_kv_cache"]),
@@ -101,6 +143,10 @@ def test_variants_run(tmp_path, ray_head, name, flags):
         assert rows[1]["train/kl_coef"] != rows[0]["train/kl_coef"]
     if "--overlong_buffer_len" in flags:
         assert "rollout/overlong_frac" in rows[0] and "rollout/stop_penalized_frac" in rows[0]
+    if "--dynamic_filtering" in flags:  # groups whose samples all tie are counted as dropped
+        assert all("rollout/filtered_groups" in r for r in rows)
+    if "--save_value_network" in flags:  # OpenRLHF's folder for the critic
+        assert os.path.exists(os.path.join(out + "_critic", "config.json"))
     if "--skip_nonfinite_updates" in flags:  # a healthy run skips nothing
         assert [r["train/skipped_updates"] for r in rows] == [0, 0]
         if name == "train_ppo.py":
