@@ -137,23 +137,23 @@ def run_health(history: list[dict], generate_max_len: int) -> tuple[dict[str, fl
     lines = [f"summary ({span}): " + ", ".join(lines)] if lines else []
     metrics, warnings = {}, []
     trunc, kl = _mean(last, "rollout/truncated_frac"), _mean(last, "train/kl")
-    if trunc is not None:
-        metrics["health/truncated_frac"] = trunc
-        metrics["health/truncation_warning"] = float(trunc > TRUNCATED_WARN)
-        if trunc > TRUNCATED_WARN:
-            warnings.append(
-                f"{trunc:.0%} of the responses of the last {k} step(s) hit --generate_max_len {generate_max_len} "
-                f"(bound {TRUNCATED_WARN:.0%}): a reward that grows with length (a reward model that learned "
-                "'longer is better'?) or a limit too short for the task. Read the samples; "
-                "--stop_properly_penalty_coef or --overlong_buffer_len penalise such answers")
-    if kl is not None:
-        metrics["health/kl"] = kl
-        metrics["health/kl_warning"] = float(kl > KL_WARN)
-        if kl > KL_WARN:
-            warnings.append(
-                f"the KL to the reference averaged {kl:.2f} over the last {k} step(s) (bound {KL_WARN:g}): the policy "
-                "moved far from --pretrain, often by exploiting its reward; a larger --init_kl_coef or a smaller "
-                "--actor_learning_rate keeps it closer")
+    checks = (  # (value key, warning key, value, bound, what the warning says past the bound)
+        ("truncated_frac", "truncation_warning", trunc, TRUNCATED_WARN, lambda: (
+            f"{trunc:.0%} of the responses of the last {k} step(s) hit --generate_max_len {generate_max_len} "
+            f"(bound {TRUNCATED_WARN:.0%}): a reward that grows with length (a reward model that learned "
+            "'longer is better'?) or a limit too short for the task. Read the samples; "
+            "--stop_properly_penalty_coef or --overlong_buffer_len penalise such answers")),
+        ("kl", "kl_warning", kl, KL_WARN, lambda: (
+            f"the KL to the reference averaged {kl:.2f} over the last {k} step(s) (bound {KL_WARN:g}): the policy "
+            "moved far from --pretrain, often by exploiting its reward; a larger --init_kl_coef or a smaller "
+            "--actor_learning_rate keeps it closer")),
+    )
+    for key, flag, value, bound, say in checks:
+        if value is not None:
+            metrics[f"health/{key}"] = value
+            metrics[f"health/{flag}"] = float(value > bound)
+            if value > bound:
+                warnings.append(say())
     return metrics, lines, warnings
 
 
