@@ -81,7 +81,7 @@ SFT_STEPS ?= 100
 RM_STEPS ?= 400
 PPO_STEPS ?= 24
 pipeline: install
-	$(BIN)/python train_sft.py --pretrain "$$($(BIN)/python -c 'from common.tiny import tiny_model_path; print(tiny_model_path())' | tail -n 1)" \
+	$(BIN)/python train_sft.py --pretrain "$$($(BIN)/python -c 'from common.training.tiny import tiny_model_path; print(tiny_model_path())' | tail -n 1)" \
 	  --save_path $(PIPELINE_DIR)/sft --max_steps $(SFT_STEPS) --param_dtype fp32 --train_batch_size 32 \
 	  --micro_train_batch_size 32 --learning_rate 1e-5 --max_len 512
 	$(BIN)/python train_rm.py --pretrain $(PIPELINE_DIR)/sft --save_path $(PIPELINE_DIR)/rm --max_steps $(RM_STEPS) \

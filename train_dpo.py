@@ -25,10 +25,10 @@ import time
 
 import typer
 
-from common import openrlhf_flags as orl
-from common import options as o
+from common.cli import openrlhf_flags as orl
+from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.prompts import template_notes
+from common.data.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -109,15 +109,17 @@ def train(a: o.Options) -> None:
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common import ds, memory_plan, updates
-    from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import iterate_batches
-    from common.packing import next_token_logprobs
-    from common.preferences import collate_pairs, load_preference_data
-    from common.prompts import set_chat_template
+    from common.training import ds
+    from common.cluster import gpu_memory, memory_plan
+    from common.training import updates
+    from common.training.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.data.rows import iterate_batches
+    from common.algo.packing import next_token_logprobs
+    from common.data.preferences import collate_pairs, load_preference_data
+    from common.data.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
-    from common.losses import dpo_loss, nll_loss, sequence_logprobs
-    from common.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
+    from common.algo.losses import dpo_loss, nll_loss, sequence_logprobs
+    from common.training.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
     torch.manual_seed(a.seed)
@@ -148,7 +150,7 @@ def train(a: o.Options) -> None:
     policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
     notes = template_notes(a, "--prompt_key") + [max_len_note(policy.config, a.max_len)]
     if a.use_liger_kernel:  # the policy only, as OpenRLHF
-        from common.liger import apply_liger
+        from common.training.liger import apply_liger
 
         notes.append(apply_liger(policy, dist.device))
     engine = ds.initialize(policy, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
@@ -279,7 +281,7 @@ def train(a: o.Options) -> None:
         if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
-            metrics.update(memory_plan.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
+            metrics.update(gpu_memory.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
         if eval_pairs and ((a.eval_steps > 0 and step % a.eval_steps == 0) or

@@ -24,11 +24,11 @@ import time
 
 import typer
 
-from common import openrlhf_flags as orl
-from common import options as o
-from common import rl_checks
+from common.cli import openrlhf_flags as orl
+from common.cli import options as o
+from common.rl import checks as rl_checks
 from common.errors import exit_on_user_error, require
-from common.prompts import prompt_tail, template_notes
+from common.data.prompts import prompt_tail, template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -173,8 +173,8 @@ def main(
         if dry_run:
             from common.logger import MetricsLogger
 
-            from common import memory_plan
-            from common.resources import plan_rows, plan_summary
+            from common.cluster import memory_plan
+            from common.cluster.resources import plan_rows, plan_summary
 
             show = MetricsLogger(save_path, 0, files=False)  # a dry run writes nothing
             show.table("resource plan", plan_rows(plan))
@@ -199,7 +199,7 @@ def check_options(a: o.Options) -> None:
 def resource_plan(a: o.Options):
     import shutil
 
-    from common.resources import plan_resources
+    from common.cluster.resources import plan_resources
 
     # A dry run shows the layout the flags ask for (GPUs), wherever it runs.
     use_gpu = a.dry_run or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
@@ -218,16 +218,16 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common.advantages import KLController, group_all_equal, kl_estimate, length_penalties, rl_advantages
-    from common.data import iterate_batches
-    from common.losses import aggregate, masked_mean, policy_loss, sampler_gap, value_loss
-    from common.ray_groups import get
-    from common.rl_eval import KL_WARN, TRUNCATED_WARN
-    from common.rl_run import RLRun
-    from common.rollout import make_batch, split_batch
-    from common.rollout_queue import RolloutQueue, staleness
+    from common.algo.advantages import KLController, group_all_equal, kl_estimate, length_penalties, rl_advantages
+    from common.data.rows import iterate_batches
+    from common.algo.losses import aggregate, masked_mean, policy_loss, sampler_gap, value_loss
+    from common.cluster.ray_groups import get
+    from common.rl.eval import KL_WARN, TRUNCATED_WARN
+    from common.rl.run import RLRun
+    from common.rollout.samples import make_batch, split_batch
+    from common.rollout.queue import RolloutQueue, staleness
 
-    run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl_run.py)
+    run = RLRun(a, plan)  # prompts, rewards, Ray and its placement groups (common/rl/run.py)
     n, pretrain = a.n_samples_per_prompt, run.pretrain
 
     # ---- the models: the actor (it also samples when there are no vLLM engines), the reference, a reward
@@ -250,7 +250,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
     gspo_vs_sampler = a.policy_loss_type == "gspo" and correction is not None  # GSPO's ratio against vLLM's log-probs
 
     def actor_loss(out, micro):
-        # Each term is this micro-batch's share of the step's mean (common.losses.aggregate): the
+        # Each term is this micro-batch's share of the step's mean (common.algo.losses.aggregate): the
         # counts span every micro-batch and rank of the optimizer step.
         mask, counts = micro["action_mask"], dict(step_tokens=micro["step_tokens"], step_seqs=micro["step_seqs"])
         old = micro["old_logprobs"] if "old_logprobs" in micro else out["logprobs"].detach()  # see phase 3
@@ -283,11 +283,11 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
                               start_step=state["step_in_episode"])
     step, skipped, stopped = state["step"], state["skipped_updates"], False
     # With --async_train the engines generate the next rollout(s) while the trainer trains on this one:
-    # up to `depth` rollouts ahead, from weights that many versions old (common/rollout_queue.py).
+    # up to `depth` rollouts ahead, from weights that many versions old (common/rollout/queue.py).
     # depth 0: generate, then train. Stale samples need the engines' log-probs at every step (phase 3).
     depth = a.async_queue_size if a.async_train else 0
     # --partial_rollout: the engines generate in chunks and take each weight sync between two, so a
-    # sample's later tokens may come from newer weights (common/partial_rollout.py)
+    # sample's later tokens may come from newer weights (common/rollout/partial.py)
     chunk = a.partial_rollout_chunk if a.partial_rollout else 0
     # sampled, not greedy: the base model's most likely word is already right, its sampling is not
     run.evaluate_start(step, sampling)  # step 0, before any rollout is in flight: the starting point
@@ -368,7 +368,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         metrics["time/logprobs_s"] = time.perf_counter() - t0
 
         # 4. advantages
-        # --normalize_reward (OpenRLHF's) is applied by the reward model and the critic themselves (common.models)
+        # --normalize_reward (OpenRLHF's) is applied by the reward model and the critic themselves (common.training.models)
         scores, penalized = length_penalties(
             scores, mask.sum(-1), torch.tensor(samples.truncated), max_new_tokens=a.generate_max_len,
             overlong_buffer_len=a.overlong_buffer_len, overlong_penalty_factor=a.overlong_penalty_factor,
@@ -424,7 +424,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
             if a.skip_nonfinite_updates:
                 metrics["train/critic_skipped_updates"] = skipped["critic"]
 
-        # 6. the new weights to the rollout side, the training states off the GPU (common.rl_run); an
+        # 6. the new weights to the rollout side, the training states off the GPU (common.rl.run); an
         # engine takes them after the rollouts it is generating (--partial_rollout: after its current chunk)
         metrics.update(rollouts.settle())
         run.to_rollout(metrics, step + 1)

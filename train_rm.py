@@ -25,10 +25,10 @@ import time
 
 import typer
 
-from common import openrlhf_flags as orl
-from common import options as o
+from common.cli import openrlhf_flags as orl
+from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.prompts import template_notes
+from common.data.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -97,7 +97,7 @@ def main(
         template_notes(options, "--prompt_key")
         require(zero_stage in (0, 1, 2, 3), f"--zero_stage {zero_stage}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
         o.check_precision(options)
-        if compute_fp32_loss:  # OpenRLHF's flag; said as its other flags that change nothing here (common.openrlhf_flags)
+        if compute_fp32_loss:  # OpenRLHF's flag; said as its other flags that change nothing here (common.cli.openrlhf_flags)
             options["openrlhf"]["notes"].append("--compute_fp32_loss: the reward model's loss is computed in fp32 here "
                                                 "whatever --bf16 (the scores are cast first); the flag changes nothing")
         require(train_batch_size % micro_train_batch_size == 0,
@@ -110,15 +110,17 @@ def train(a: o.Options) -> None:
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common import ds, memory_plan, updates
-    from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import iterate_batches
-    from common.packing import sequence_rewards
-    from common.preferences import collate_pairs, load_preference_data
-    from common.prompts import set_chat_template
+    from common.training import ds
+    from common.cluster import gpu_memory, memory_plan
+    from common.training import updates
+    from common.training.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.data.rows import iterate_batches
+    from common.algo.packing import sequence_rewards
+    from common.data.preferences import collate_pairs, load_preference_data
+    from common.data.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
-    from common.losses import bradley_terry_loss, log_exp_loss
-    from common.models import attn_implementation, load_reward_model, load_tokenizer, max_len_note, resolve_pretrain
+    from common.algo.losses import bradley_terry_loss, log_exp_loss
+    from common.training.models import attn_implementation, load_reward_model, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
     torch.manual_seed(a.seed)
@@ -261,7 +263,7 @@ def train(a: o.Options) -> None:
         if a.skip_nonfinite_updates:
             metrics["train/skipped_updates"] = skipped
         if dist.device.type == "cuda":
-            metrics.update(memory_plan.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
+            metrics.update(gpu_memory.mem_metrics("", None, memory))  # mem/peak_gb beside mem/predicted_gb
         last = step == total_steps
         epoch_end = step_in_epoch + 1 == steps_per_epoch
         if eval_pairs and ((a.eval_steps > 0 and step % a.eval_steps == 0) or

@@ -9,7 +9,7 @@ a micro-batch with fewer loss tokens (with one sample per micro-batch, a short a
 as a long one); its later code takes the step's token mean, as here. `--packing_samples`
 runs a micro-batch as one row without padding: positions restart for each sample and attention stays
 inside it (the same loss). Rows: OpenRLHF's `--input_key`/`--output_key` (strings or message lists),
-whole conversations, and TRL's `messages` and `prompt`/`completion` layouts (common/sft_data.py).
+whole conversations, and TRL's `messages` and `prompt`/`completion` layouts (common/data/sft.py).
 
 Built-in default: the tiny model's architecture and tokenizer, freshly initialised (it has never seen
 the copy task), learn the copy task; `eval/exact_match` is greedy decoding's held-out exact-match.
@@ -33,10 +33,10 @@ import time
 
 import typer
 
-from common import openrlhf_flags as orl
-from common import options as o
+from common.cli import openrlhf_flags as orl
+from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.prompts import template_notes
+from common.data.prompts import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -112,11 +112,11 @@ def main(
 def sft_loss(model, batch: dict, step_tokens: float, *, packing: bool = False, flash: bool = False):
     """This micro-batch's share of the step's token-mean NLL over its loss tokens, and the NLL sum.
 
-    batch: input_ids, attention_mask, loss_mask [b, t] (common.sft_data.collate_sft). `step_tokens`:
+    batch: input_ids, attention_mask, loss_mask [b, t] (common.data.sft.collate_sft). `step_tokens`:
     the step's loss tokens over all micro-batches and ranks, divided by the number of ranks, so the
     shares, backpropagated unscaled and averaged over the ranks, make the step's token mean."""
-    from common.losses import aggregate, masked_sum
-    from common.packing import next_token_logprobs
+    from common.algo.losses import aggregate, masked_sum
+    from common.algo.packing import next_token_logprobs
 
     token_lp = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"], packing=packing, flash=flash)
     mask = batch["loss_mask"][:, 1:]  # [b, t-1]: a token's loss sits at the position that predicts it
@@ -128,14 +128,15 @@ def train(a: o.Options) -> None:
     cpu_threads.configure()  # before torch: OpenMP reads its wait policy once, when it loads
     import torch
 
-    from common import ds, updates
-    from common.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import iterate_batches
+    from common.training import ds
+    from common.training import updates
+    from common.training.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.data.rows import iterate_batches
     from common.logger import MetricsLogger, git_commit, versions
-    from common.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
-    from common.prompts import set_chat_template
-    from common.rollout import hf_generate
-    from common.sft_data import OPENRLHF_SFT_TEMPLATE, SFTKeys, collate_sft, load_sft_data
+    from common.training.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
+    from common.data.prompts import set_chat_template
+    from common.rollout.decode import hf_generate
+    from common.data.sft import OPENRLHF_SFT_TEMPLATE, SFTKeys, collate_sft, load_sft_data
 
     dist = ds.setup_distributed()
     torch.manual_seed(a.seed)
@@ -175,7 +176,7 @@ def train(a: o.Options) -> None:
     else:
         model = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
     if a.use_liger_kernel:
-        from common.liger import apply_liger
+        from common.training.liger import apply_liger
 
         notes.append(apply_liger(model, dist.device))
     notes.append(max_len_note(model.config, a.max_len))

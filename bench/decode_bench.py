@@ -4,8 +4,8 @@
 
 8 prompts of 64 tokens x 8 samples x 256 new tokens (the rollout of bench/grpo_step.py), bf16:
 - transformers `generate` with its static cache compiled (what --static_kv_cache ran before
-  common.decode), and with the default dynamic cache;
-- `common.decode.static_generate`, eager and compiled (CUDA graphs);
+  common.rollout.decode), and with the default dynamic cache;
+- `common.rollout.decode.static_generate`, eager and compiled (CUDA graphs);
 - a bare `vllm.LLM` (in-process, model runner v2, no log-probs) when vLLM is importable.
 Every row generates all 256 tokens (no stop token). The first round of each row compiles or warms up;
 the median of the next `--rounds` is reported. As a check, 64 greedy tokens per prompt from the
@@ -45,7 +45,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.decode import static_generate
+    from common.rollout.decode import static_generate
 
     if not os.path.isdir(model):
         from bench.make_model import main as make_model
@@ -71,11 +71,11 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
                                seed=0, compile=compile)
 
     with torch.no_grad():
-        report("ours, common.decode compiled (CUDA graphs)", *_timed(lambda: ours(True), rounds))
+        report("ours, common.rollout.decode compiled (CUDA graphs)", *_timed(lambda: ours(True), rounds))
         if profile:  # the GPU's kernels in one decode step (the graph's body run outside the graph)
             from torch.profiler import ProfilerActivity, profile as prof
 
-            from common import decode
+            from common.rollout import decode
             dec = next(iter(decode._DECODERS.values()))
             dec.cache.reset()  # the rollout filled the cache: start it again for the profiled steps
             dec.t.fill_(1)
@@ -92,13 +92,13 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
             dec.cache.reset()
             torch.cuda.synchronize()
             print(f"graph replay: {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms per decode step", flush=True)
-        report("ours, common.decode eager", *_timed(lambda: ours(False), 1))
+        report("ours, common.rollout.decode eager", *_timed(lambda: ours(False), 1))
         report("transformers generate, static cache compiled", *_timed(lambda: hf_gen("static"), rounds))
         if hf_dynamic:
             report("transformers generate, dynamic cache", *_timed(lambda: hf_gen(None), 1))
         # Greedy check: is each token the argmax of transformers' full forward over the same prefix?
         # Random weights make near-ties common in bf16, so mismatches are listed with their logit gap.
-        for name, fn in (("common.decode", lambda: static_generate(hf, prompt_ids, temperature=1.0, top_p=1.0,
+        for name, fn in (("common.rollout.decode", lambda: static_generate(hf, prompt_ids, temperature=1.0, top_p=1.0,
                                                                   max_new_tokens=64, eos_id=-1, pad_id=0, greedy=True)),
                          ("transformers static", lambda: hf.generate(
                              input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,

@@ -13,9 +13,9 @@ TRL's) makes both sides ask vLLM for the sampled tokens' log-probs every step an
 truncated importance ratio (ours `--enable_vllm_is_correction --vllm_is_correction_type tis`, TRL its
 `token_truncate` mode, both clamped to [0, 3]), `--no-is_correction` neither (TRL's own log-prob request
 switched off). The table gives TRL/ours for the step and for the device's peak memory. Rewards: on
-`tiny` the copy task's rule (ours built-in, TRL given `common.tasks.reward_func`); on GPU shapes, whose random weights emit
+`tiny` the copy task's rule (ours built-in, TRL given `common.data.tasks.reward_func`); on GPU shapes, whose random weights emit
 text no task rule can score, `bench/length_reward.py` for both, on prompts written from
-`common.tasks.prompt_rows`. GPU shapes train in bf16 (ours: DeepSpeed ZeRO-2 with fp32 master
+`common.data.tasks.prompt_rows`. GPU shapes train in bf16 (ours: DeepSpeed ZeRO-2 with fp32 master
 weights; TRL: fp32 weights under bf16 autocast); `tiny` trains in fp32. On `tiny` ours runs each
 prompt once for its samples (`--share_prompt_prefix`: the same log-probs and gradients, fewer FLOPs;
 prompts of 12-13 tokens, responses of ~3.5) while TRL runs whole rows; `--no-share_prompt_prefix`
@@ -189,7 +189,7 @@ def _has_gpu() -> bool:
 
 def _model_dir(shape: str, work_dir: str) -> str:
     if shape == "tiny":
-        from common.tiny import tiny_model_path
+        from common.training.tiny import tiny_model_path
 
         return tiny_model_path()
     path = os.path.join(work_dir, f"model-{shape}")
@@ -201,7 +201,7 @@ def _model_dir(shape: str, work_dir: str) -> str:
 
 def _prompt_file(work_dir: str) -> str:
     """The copy task's prompts as JSONL rows {"prompt": [user message], "label": ...}: one set for both sides."""
-    from common.tasks import prompt_rows
+    from common.data.tasks import prompt_rows
 
     path = os.path.join(work_dir, "prompts.jsonl")
     with open(path, "w") as f:
@@ -431,8 +431,8 @@ def _trl_worker(spec_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    from common import tasks
-    from common.data import load_rows
+    from common.data import tasks
+    from common.data.rows import load_rows
 
     with open(spec_path) as f:
         job = json.load(f)
@@ -440,7 +440,7 @@ def _trl_worker(spec_path: str) -> None:
         torch.set_num_threads(job["trl_threads"])
     if "prompt_file" in job:
         rows = load_rows(job["prompt_file"])
-        from common.rewards import load_reward_func
+        from common.rl.rewards import load_reward_func
 
         score = load_reward_func(job["reward_file"])
     else:

@@ -33,7 +33,7 @@ def main(shape: str = "0.5b", out: str = "/tmp/q05", reward: bool = False, seed:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     tiny = tiny_model_path()
     tok = AutoTokenizer.from_pretrained(tiny)

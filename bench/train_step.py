@@ -3,7 +3,7 @@ and micro-batch size, with its MFU (GPU).
 
     python bench/train_step.py --model /tmp/q05 --stages 0,1,2 --micros 16,64 --modes master,autocast [--profile]
 
-Runs `common.workers.ModelWorker.train` (the code the scripts run inside their Ray actor) in this
+Runs `common.rl.workers.ModelWorker.train` (the code the scripts run inside their Ray actor) in this
 process on one GPU: 64 sequences of 64 prompt + 256 response tokens, a clipped policy loss with a KL
 term, DeepSpeed's default Adam, in two bf16 modes: `master` (bf16 weights with an fp32 master copy,
 DeepSpeed's bf16 section) and `autocast` (fp32 weights, forward under torch.autocast: --torch_autocast),
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def grpo_loss(out, micro):
-    from common.losses import masked_mean, policy_loss
+    from common.algo.losses import masked_mean, policy_loss
 
     mask = micro["action_mask"]
     loss, _, _ = policy_loss(out["logprobs"], out["logprobs"].detach(), micro["advantages"], mask, 0.2, 0.2)
@@ -60,8 +60,8 @@ def main(model: str = "/tmp/q05", stages: str = "0,1,2", micros: str = "16,64", 
          samples: int = 64, prompt_len: int = 64, response_len: int = 256, profile: bool = False, out: str = ""):
     import torch
 
-    from common import ds
-    from common.workers import ModelSpec, ModelWorker
+    from common.training import ds
+    from common.rl.workers import ModelSpec, ModelWorker
 
     g = torch.Generator().manual_seed(0)
     T = prompt_len + response_len

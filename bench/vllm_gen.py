@@ -3,9 +3,9 @@
     python bench/vllm_gen.py --model /tmp/q05
 
 8 prompts x 8 samples x 256 new tokens, the rollout of bench/grpo_step.py. First a bare `vllm.LLM`
-in this process, sampled as common.vllm_engine does (one seed per request on CPU only, each sampled
+in this process, sampled as common.rollout.vllm_engine does (one seed per request on CPU only, each sampled
 token's log-prob) and with those options removed. Then (`--ours`) the same rollout through
-`common.vllm_engine.VllmEngine.generate`: in this process, in a Ray actor as the scripts run it,
+`common.rollout.vllm_engine.VllmEngine.generate`: in this process, in a Ray actor as the scripts run it,
 and in a Ray actor whose engine core runs in a process of its own; the three differ only in where
 the engine lives, so the table shows what the wrapper and the Ray actor cost. Median of 3 rounds
 after a warm-up round. vLLM's environment applies (VLLM_USE_V2_MODEL_RUNNER=1: its model runner v2).
@@ -37,12 +37,12 @@ def _timed(fn, rounds: int | None = None) -> tuple[float, object]:
 
 
 def _reload_own_weights(llm, model: str) -> float:
-    """Push the model's own weights through the scripts' sync path (common.vllm_worker), as after a
+    """Push the model's own weights through the scripts' sync path (common.rollout.vllm_worker), as after a
     training step; returns seconds. Shows whether generation slows down after a weight reload."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common import weight_sync as ws
+    from common.rollout import weight_sync as ws
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
     named = list(hf.named_parameters())
@@ -72,8 +72,8 @@ def _profile(fn, top: int = 25) -> None:
 
 
 def _load_paths(model: str, prompt_ids, n: int, tokens: int, gpu_util: float) -> None:
-    """Generation speed before and after weight pushes through each load path of common.vllm_worker."""
-    from common.vllm_engine import EngineSpec, VllmEngine
+    """Generation speed before and after weight pushes through each load path of common.rollout.vllm_worker."""
+    from common.rollout.vllm_engine import EngineSpec, VllmEngine
 
     spec = EngineSpec(model, dtype="bfloat16", max_model_len=64 + tokens + 64, gpu_memory_utilization=gpu_util,
                       per_request_seeds=False)
@@ -128,7 +128,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
         llms["async scheduling off"] = {"async_scheduling": False}
     for label, kw in llms.items() if bare else ():
         llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=gpu_util, seed=0,
-                  logprobs_mode="processed_logprobs", worker_extension_cls="common.vllm_worker.WeightReceiver", **kw)
+                  logprobs_mode="processed_logprobs", worker_extension_cls="common.rollout.vllm_worker.WeightReceiver", **kw)
         print(f"-- {label}", flush=True)
         for name, extra in variants.items():
             params = params_of(extra)
@@ -145,7 +145,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
         return
     import ray
 
-    from common.vllm_engine import EngineSpec, VllmEngine
+    from common.rollout.vllm_engine import EngineSpec, VllmEngine
 
     spec = EngineSpec(model, dtype="bfloat16", max_model_len=64 + tokens + 64, gpu_memory_utilization=gpu_util,
                       per_request_seeds=False)
@@ -170,7 +170,7 @@ def main(model: str = "/tmp/q05", prompts: int = 8, n: int = 8, tokens: int = 25
     if engines > 1:  # vLLM's host work per decode step grows with the requests: split them over processes
         import dataclasses
 
-        from common.vllm_engine import generate_balanced
+        from common.rollout.vllm_engine import generate_balanced
 
         part = dataclasses.replace(spec, gpu_memory_utilization=gpu_util / engines)
         actors = [ray.remote(VllmEngine).options(num_gpus=0.9 / engines, num_cpus=1).remote(part, i)

@@ -54,13 +54,3 @@ def pin(side: str) -> list[int] | None:
     return cores
 
 
-def split_note(actor, engines: list) -> list[str]:
-    """The banner's line of the cores each side holds, as its processes report them (SPLIT runs only)."""
-    if os.environ.get(SPLIT) != "1" or not engines:
-        return []
-    from common.ray_groups import get
-
-    trainer = get(actor.async_call("cores"), 60, "cores")
-    engine = get([e.cores.remote() for e in engines], 60, "cores")
-    mine = lambda lists: ",".join(str(c) for c in sorted({c for cs in lists for c in cs}))  # noqa: E731
-    return [f"--async_train on CPU: the trainer's workers on cores {mine(trainer)}, the vLLM engines on cores {mine(engine)}"]

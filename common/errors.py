@@ -22,7 +22,7 @@ class TrainingError(RuntimeError):
 
 
 class Stopped(Exception):
-    """The run stopped before its last step for a signal, with a checkpoint (common.checkpoint.Preemption).
+    """The run stopped before its last step for a signal, with a checkpoint (common.training.checkpoint.Preemption).
     The driver exits 128 + the signal's number, what a shell reports for a command the signal ended (143
     for SIGTERM, 130 for Ctrl-C), so `train_sft.py ... && train_rm.py ...` does not go on with an unfinished
     model; slurm/ray_cluster.sh requeues a Ray job whose driver stopped so at the time-limit warning."""
@@ -54,8 +54,6 @@ def check_output_folders(a: dict) -> None:
     metrics and model), unless --load_checkpoint continues that run. Refused, not moved to a new folder:
     the next stage of a pipeline reads the model from the path it was given."""
     import os
-
-    from common.run_info import run_outputs
 
     save = a.get("save_path")
     found = run_outputs(save) if save and not dry_run_only(a) and not a.get("load_checkpoint") else []
@@ -94,3 +92,24 @@ def require(cond: bool, message: str) -> None:
     """Raise `UserError(message)` unless `cond` holds (flag checks at the top of a script)."""
     if not cond:
         raise UserError(message)
+
+
+def run_outputs(path: str) -> list[str]:
+    """What an earlier run left in the folder `path` (empty: nothing a new run would overwrite), for
+    --save_path's check: logged steps, a saved model, checkpoints. A run that stopped before logging
+    anything left only config.json, which a new run may replace."""
+    import os
+
+    found = []
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics, errors="replace") as f:
+            steps = sum(1 for line in f if '"step"' in line)
+        if steps:
+            found.append(f"metrics.jsonl with {steps} logged step(s)")
+    if os.path.isdir(path) and any(n.endswith(".safetensors") or n == "pytorch_model.bin" for n in os.listdir(path)):
+        found.append("a saved model")
+    ckpt = os.path.join(path, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        found.append("checkpoints/")
+    return found

@@ -130,7 +130,7 @@ mfu15)
     --modes ${MODES15:-master,master+compile} --out "$OUT/train_1.5b.json" > "$OUT/train_1.5b.txt" 2>&1; echo "train_step 1.5b: exit $?"
   grep -E '^\{' "$OUT/train_1.5b.txt" | cut -c1-220
   ;;
-bench_hf)  # no vLLM on either side: ours generates with --static_kv_cache (common.decode), TRL with its default generate
+bench_hf)  # no vLLM on either side: ours generates with --static_kv_cache (common.rollout.decode), TRL with its default generate
   bench bench_hf --shape 0.5b --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
   ;;
 decode)

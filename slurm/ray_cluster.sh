@@ -228,7 +228,7 @@ _ray_time_up() {
 ray_cluster_run() {
   local rc stopped
   # A driver that SIGTERM killed before it could save exits 143 too: the driver creates this file only
-  # when it stopped after its checkpoint (common/checkpoint.py), so only that stop is requeued.
+  # when it stopped after its checkpoint (common/training/checkpoint.py), so only that stop is requeued.
   stopped=$(mktemp -u "${TMPDIR:-/tmp}/hybridrl-stopped.XXXXXX")
   export HYBRIDRL_STOPPED_FILE=$stopped
   # In the background: bash runs a trap only once a foreground command has ended, which would hold

@@ -1,11 +1,11 @@
-"""common.advantages against naive per-element Python references."""
+"""common.algo.advantages against naive per-element Python references."""
 import math
 import statistics
 
 import pytest
 import torch
 
-from common import advantages as A
+from common.algo import advantages as A
 
 torch.manual_seed(0)
 

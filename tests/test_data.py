@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.data import build_prompts, epoch_order, iterate_batches, load_rows
-from common.preferences import PreferencePair, build_preference_pairs, collate_pairs
+from common.data.rows import build_prompts, epoch_order, iterate_batches, load_rows
+from common.data.preferences import PreferencePair, build_preference_pairs, collate_pairs
 from common.errors import UserError
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -6,7 +6,7 @@ one of the things the script builds from those options before training must diff
   Refused    exit 2, one line naming the flag
   Banner     a banner note naming the flag (an OpenRLHF flag accepted here that changes nothing)
   Changes    a view: "options" (a translated option), "ds" (the DSSettings a GPU run builds; every field
-             reaches common.ds.initialize), "attn" (attention and its note), "memory" (the memory plan's
+             reaches common.training.ds.initialize), "attn" (attention and its note), "memory" (the memory plan's
              per-process figures, what --dry_run and the preflight show), "plan" (the resource plan),
              "specs" (the RL workers' ModelSpecs), "engine" (the vLLM EngineSpec), "prompts" (the RL
              prompts' tokens), "dry_run" (the plans printed, train() never reached)
@@ -15,7 +15,7 @@ its first step's numbers computed through the real loss function (Numbers). Both
 the script that hands the flag on (`wire`): a flag that stops being read fails here. Each view also names
 the call in the scripts that it mirrors. Flags come from each script's `main` signature (the
 OpenRLHF decorator's included): a new boolean flag fails until it is classified below; OpenRLHF's rows
-marked refuse or accept (common/openrlhf_table.py) are classified by that table.
+marked refuse or accept (common/cli/openrlhf_table.py) are classified by that table.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import typing
 import pytest
 from typer.testing import CliRunner
 
-from common.openrlhf_table import EXTRA
+from common.cli.openrlhf_table import EXTRA
 from tests.helpers import ROOT
 
 SCRIPTS = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_grpo"]
@@ -140,7 +140,7 @@ FLAGS = {
 _RL_FLAGS = {
     **COMMON,
     "skip_bad_rewards": Asserted("tests/test_rl.py::test_skip_bad_rewards_drops_samples_and_goes_on",
-                                 ("common/rl_eval.py", 'a["skip_bad_rewards"]')),
+                                 ("common/rl/eval.py", 'a["skip_bad_rewards"]')),
     "flash_attn": Changes("specs"),
     "use_liger_kernel": Changes("specs"),
     "apply_chat_template": Changes("prompts", USER_PROMPTS),
@@ -162,8 +162,8 @@ _RL_FLAGS = {
     "static_kv_cache": Changes("specs"),
     "dry_run": Changes("dry_run"),
     "load_checkpoint": Asserted("tests/test_rl.py::test_resume_reproduces_the_uninterrupted_run",
-                                ("common/rl_run.py", 'if a["load_checkpoint"] else None')),
-    "save_hf_ckpt": Asserted("tests/test_rl.py::test_builtin_default_reward_rises", ("common/rl_run.py", 'self.a["save_hf_ckpt"]')),
+                                ("common/rl/run.py", 'if a["load_checkpoint"] else None')),
+    "save_hf_ckpt": Asserted("tests/test_rl.py::test_builtin_default_reward_rises", ("common/rl/run.py", 'self.a["save_hf_ckpt"]')),
     "vllm_sync_with_ray": Changes("options"),
 }
 # Without vLLM engines these are refused; with them they act in the loop, which each script's test runs.
@@ -192,16 +192,16 @@ FLAGS["train_grpo"] = {
 
 # The call in the scripts that each view repeats; "{script}" is the script's own file.
 VIEW_CALLS = {
-    "ds": {"rl": ("common/rl_run.py", 'ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])'),
+    "ds": {"rl": ("common/rl/run.py", 'ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])'),
            "other": ("{script}", "ds.settings_from(a, bf16=dtype == torch.bfloat16)")},
     "attn": ("{script}", "attn_implementation(a.flash_attn)"),
-    "memory": {"rl": ("common/rl_run.py", 'memory_plan.preflight(a, "rl", plan'),
+    "memory": {"rl": ("common/rl/run.py", 'memory_plan.preflight(a, "rl", plan'),
                "train_rm": ("{script}", 'memory_plan.preflight(a, "rm"'),
                "train_dpo": ("{script}", 'memory_plan.preflight(a, "dpo"')},
     "plan": ("{script}", "plan = resource_plan(a)"),
     "specs": ("{script}", "specs = run.policy_specs()"),
-    "engine": ("common/rl_run.py", "start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)"),
-    "prompts": ("common/rl_run.py", "load_prompts(a, self.tokenizer)"),
+    "engine": ("common/rl/run.py", "start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)"),
+    "prompts": ("common/rl/run.py", "load_prompts(a, self.tokenizer)"),
     "options": None, "dry_run": None,
 }
 
@@ -270,9 +270,9 @@ def prompts(tmp_path_factory) -> str:
 # ---------------------------------------------------------------- the views
 def _rl_shell(r: Run):
     """RLRun as its __init__ leaves it for `policy_specs`, without the Ray cluster and the prompts it starts."""
-    from common import ds
-    from common.models import resolve_pretrain
-    from common.rl_run import RLRun
+    from common.training import ds
+    from common.training.models import resolve_pretrain
+    from common.rl.run import RLRun
 
     run = RLRun.__new__(RLRun)
     plan = r.rest[0]
@@ -293,36 +293,36 @@ def view(name: str, r: Run, flag: str, monkeypatch):
     if name == "ds":
         import torch
 
-        from common import ds
+        from common.training import ds
 
         if r.script in RL:
             return ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
         dtype, _ = ds.resolve_dtype(a["bf16"], torch.device("cuda"))  # a CPU without native bf16 says it runs fp32
         return ds.settings_from(a, bf16=dtype == torch.bfloat16)
     if name == "attn":
-        from common.models import attn_implementation
+        from common.training.models import attn_implementation
 
         return attn_implementation(a["flash_attn"])
     if name == "memory":
-        from common import memory_plan
+        from common.cluster import memory_plan
 
         kind = {"train_rm": "rm", "train_dpo": "dpo"}.get(r.script, "rl")
         return memory_plan.from_options(a, kind, r.rest[0] if r.rest else None).processes
     if name == "plan":
-        from common.resources import plan_rows
+        from common.cluster.resources import plan_rows
 
         return plan_rows(r.rest[0])
     if name == "specs":
         return _rl_shell(r).policy_specs()
     if name == "engine":
-        from common import vllm_engine
+        from common.rollout import vllm_engine
 
         plan = r.rest[0]
         monkeypatch.setattr(vllm_engine, "start_engines", lambda num, spec, *rest, **kw: [spec])  # Ray's actors: not here
         return vllm_engine.start_script_engines(a, plan, {plan.vllm_group: None}, None, _rl_shell(r).pretrain)
     if name == "prompts":
-        from common.models import load_tokenizer
-        from common.rl_eval import load_prompts
+        from common.training.models import load_tokenizer
+        from common.rl.eval import load_prompts
 
         return [p.prompt_ids for p in load_prompts(a, load_tokenizer(_rl_shell(r).pretrain))[0]]
     raise ValueError(name)
@@ -333,7 +333,7 @@ def rm_loss(a):
     """train_rm.py's Bradley-Terry loss on three pairs with margins."""
     import torch
 
-    from common.losses import bradley_terry_loss
+    from common.algo.losses import bradley_terry_loss
 
     chosen, rejected, margin = torch.tensor([1.0, 0.2, -0.3]), torch.tensor([0.5, 0.4, -1.0]), torch.tensor([0.3, 1.0, 0.5])
     return bradley_terry_loss(chosen, rejected, margin if a["margin_loss"] else None)
@@ -343,7 +343,7 @@ def dpo_loss(a):
     """train_dpo.py's loss on two pairs of sequence log-probs."""
     import torch
 
-    from common.losses import dpo_loss as loss
+    from common.algo.losses import dpo_loss as loss
 
     pc, pr, rc, rr = torch.tensor([-4.0, -6.0]), torch.tensor([-5.0, -5.5]), torch.tensor([-4.5, -6.0]), torch.tensor([-5.0, -5.0])
     return loss(pc, pr, rc, rr, a["beta"], label_smoothing=a["label_smoothing"], ipo=a["ipo"])[0]
@@ -353,7 +353,7 @@ def advantages(a):
     """The RL scripts' phase 4 on two prompts' groups: scores, a KL [B, T] with padding, and (gae) values."""
     import torch
 
-    from common.advantages import rl_advantages
+    from common.algo.advantages import rl_advantages
 
     n, t = a["n_samples_per_prompt"], 5
     g = torch.Generator().manual_seed(0)

@@ -1,11 +1,11 @@
-"""common.logprobs: token log-probs and entropy against log_softmax and autograd, in every chunking,
+"""common.algo.logprobs: token log-probs and entropy against log_softmax and autograd, in every chunking,
 and the compiled (GPU) kernels against the eager math."""
 import math
 
 import pytest
 import torch
 
-from common import logprobs as L
+from common.algo import logprobs as L
 
 torch.manual_seed(0)
 
@@ -153,7 +153,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_eager(capsys):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_head_stats_from_the_hidden_state_equal_log_softmax_of_the_full_logits(chunk, temperature):
     """Log-probs and entropy from the last hidden state, the head's logits made `chunk` positions at
-    a time (the GPU default: common.workers), against log_softmax of the whole logits written out;
+    a time (the GPU default: common.rl.workers), against log_softmax of the whole logits written out;
     gradients through a tied head (the embedding is the head's weight, as in Qwen2.5-0.5B), fp64."""
     g = torch.Generator().manual_seed(1)
     B, T, H, V = 3, 11, 8, 40

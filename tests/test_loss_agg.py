@@ -2,7 +2,7 @@
 
 token_mean is the step's summed token loss over the step's valid tokens; the sequence modes average
 over the step's sequences; Dr. GRPO divides each sequence's sum by the constant --generate_max_len.
-The real worker (`common.workers.ModelWorker.train`) with the real DeepSpeed engine must give the
+The real worker (`common.rl.workers.ModelWorker.train`) with the real DeepSpeed engine must give the
 gradients of that formula, written here as a plain loop over sequences and tokens, whatever the
 micro-batch size (1, 2, the whole batch: micro-batches then have different widths and token counts)
 and with 2 ranks as with 1 (the 2 ranks with log-probs from the hidden state in chunks, as on a GPU).
@@ -23,11 +23,11 @@ NORM_LEN = 16  # the Dr. GRPO constant (--generate_max_len)
 RUN = r"""
 import json, os, sys
 import torch
-import common.updates as updates
-from common.ds import DSSettings
-from common.losses import policy_loss
-from common.tiny import tiny_model_path
-from common.workers import ModelSpec, ModelWorker
+import common.training.updates as updates
+from common.training.ds import DSSettings
+from common.algo.losses import policy_loss
+from common.training.tiny import tiny_model_path
+from common.rl.workers import ModelSpec, ModelWorker
 
 N, NORM_LEN, MODES = 8, %(norm_len)d, %(modes)r
 g = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ w.role = "actor"
 settings = DSSettings(zero_stage=0, micro_train_batch_size=1, train_batch_size=N, max_norm=0.0)
 # lr 0: the weights never move, so every mode and micro-batch size sees the same model
 # two ranks take their log-probs from the last hidden state, the head's logits in chunks of 5 positions
-# (the GPU default's path, common.logprobs.head_token_stats): the same gradients as the formula
+# (the GPU default's path, common.algo.logprobs.head_token_stats): the same gradients as the formula
 w.setup(ModelSpec(tiny_model_path(), "causal_lm", True, settings, head_chunk_tokens=5 if chunked else 0,
                   optim=dict(lr=0.0, total_steps=10, warmup_ratio=0.0, scheduler="constant_with_warmup")))
 assert (w.head is not None) == chunked

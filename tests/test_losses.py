@@ -1,10 +1,10 @@
-"""common.losses against naive per-element Python references."""
+"""common.algo.losses against naive per-element Python references."""
 import math
 
 import pytest
 import torch
 
-from common import losses as L
+from common.algo import losses as L
 
 torch.manual_seed(0)
 

@@ -1,4 +1,4 @@
-"""The memory plan (common/memory_plan.py) on CPU: its byte counts against real DeepSpeed engines, the
+"""The memory plan (common/cluster/memory_plan.py) on CPU: its byte counts against real DeepSpeed engines, the
 refusal of a layout that cannot fit with the flags that would make it fit, and the dry run's table."""
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 
 import pytest
 
-from common import memory_plan as mp
+from common.algo import HEAD_CHUNK
+from common.cluster import gpu_memory
+from common.cluster import memory_plan as mp
 from common.errors import UserError
-from common.resources import plan_resources
+from common.cluster.resources import plan_resources
 from tests.helpers import PY, ROOT, env
 
 GiB = 2**30
@@ -22,9 +24,9 @@ GiB = 2**30
 # steps (those not sharing the parameters' storage) and of their Adam moments, after one step.
 COUNT = r"""
 import json, sys, torch
-from common import ds
-from common.models import load_causal_lm
-from common.tiny import tiny_model_path
+from common.training import ds
+from common.training.models import load_causal_lm
+from common.training.tiny import tiny_model_path
 
 dist = ds.setup_distributed()
 out = open(f"{sys.argv[1]}/rank{dist.rank}.jsonl", "w")  # ranks' prints would interleave on one stdout
@@ -152,7 +154,7 @@ def test_phases_sleep_and_metrics(tmp_path):
                              "grpo", _plan(8, 8), gpu_bytes=140 * GiB)
     actor = {p.process: p for p in asleep.processes}["actor"]
     # asleep, the actor keeps only its shard of the bf16 weights on the GPU (OpenRLHF's sleep set), beside the
-    # reference's shard: colocated, the reference lives in the actor's processes (common.guests)
+    # reference's shard: colocated, the reference lives in the actor's processes (common.rl.guests)
     shard = 2 * mp.read_shape(path).params // 8
     assert "ref" not in {p.process for p in asleep.processes}
     assert actor.allocated["generate"] == 2 * shard and actor.phases["generate"] < 6 * GiB < actor.phases["train"]
@@ -160,13 +162,13 @@ def test_phases_sleep_and_metrics(tmp_path):
     assert asleep.worst() < awake.worst()
     row = mp.rows(asleep)[-1]
     assert row["process"] == "= one GPU" and "fits" in row["at its peak (GiB)"]
-    keys = mp.mem_metrics("actor", {"peak_gb": 1.0, "peak_reserved_gb": 1.5}, asleep, seq=256)
+    keys = gpu_memory.mem_metrics("actor", {"peak_gb": 1.0, "peak_reserved_gb": 1.5}, asleep, seq=256)
     assert set(keys) == {"mem/actor_peak_gb", "mem/actor_peak_reserved_gb", "mem/actor_predicted_gb",
                          "mem/actor_predicted_reserved_gb", "mem/actor_predicted_device_gb"}
     assert keys["mem/actor_predicted_gb"] < actor.allocated_peak / GiB  # redone for the shorter sequences
     # the device's share adds the context to the allocator's hold; vLLM's is its fraction of the GPU
     assert keys["mem/actor_predicted_device_gb"] - keys["mem/actor_predicted_reserved_gb"] == pytest.approx(0.75)
-    engine = mp.mem_metrics("vllm", {"device_peak_gb": 40.0}, asleep)
+    engine = gpu_memory.mem_metrics("vllm", {"device_peak_gb": 40.0}, asleep)
     assert engine["mem/vllm_predicted_device_gb"] == pytest.approx(0.5 * 140, rel=1e-6)
     assert engine["mem/vllm_device_peak_gb"] == 40.0
 
@@ -272,7 +274,7 @@ def test_the_gpu_a_vllm_engine_of_its_own_needs_holds_its_weights_and_a_kv_cache
 def test_partial_adam_offload_keeps_the_gpu_share_of_the_optimizer(tmp_path):
     """--adam_offload_ratio: ZeRO-3's partial offload in DeepSpeed's config and in the plan, which keeps
     the GPU's sub-groups (master, moments, fp32 gradients) there through DeepSpeed's sleep too."""
-    from common import ds
+    from common.training import ds
 
     path = _shape_dir(tmp_path, "7b", {})
     flags = dict(zero_stage=3, adam_offload=True, deepspeed_enable_sleep=True, vllm_enable_sleep=True)
@@ -302,7 +304,7 @@ def test_partial_offload_flag_is_refused_where_deepspeed_has_none(flags, expect,
 
 
 def test_expandable_segments_only_where_asked_and_on_a_gpu(monkeypatch):
-    from common import ds
+    from common.training import ds
 
     calls = []
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
@@ -327,7 +329,7 @@ def test_with_no_gpu_visible_the_needed_gpu_is_the_largest_over_phases():
     """A colocated engine takes a share of the GPU while generating and little at the weight sync: the
     dry run's 'needs a GPU of' is the largest bytes / (1 - share) over the phases (the reference GRPO
     command on 8B: 73.7 GiB at sync, where a guessed 100 GiB GPU had named 56.6 at generate)."""
-    from common.memory_estimate import GiB, MemoryPlan, ProcessMemory
+    from common.cluster.memory_estimate import GiB, MemoryPlan, ProcessMemory
 
     phases = {"generate": int(28.3 * GiB), "sync": int(73.7 * GiB)}
     proc = ProcessMemory("g", "actor", 8, phases, dict(phases), {}, gpu_fraction={"generate": 0.5})
@@ -339,7 +341,7 @@ def test_with_no_gpu_visible_the_needed_gpu_is_the_largest_over_phases():
 
 
 def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_chunks(tmp_path):
-    """The RL workers on a GPU make the head's logits 2048 positions at a time (common.logprobs.chunked_head)
+    """The RL workers on a GPU make the head's logits 2048 positions at a time (common.algo.logprobs.chunked_head)
     for Qwen2/3, Llama, Mistral under ZeRO 0-2; a model type that soft-caps its logits after the head
     (Gemma 2) or ZeRO-3 keeps them whole, and the plan must count those whole: 64 rows x 290 tokens of
     Qwen2.5-0.5B's 152k vocabulary in bf16, twice in training, against a chunk's."""
@@ -347,7 +349,7 @@ def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_c
     flags = dict(micro_train_batch_size=64, micro_rollout_batch_size=64, rollout_batch_size=8,
                  prompt_max_len=34, generate_max_len=256)
 
-    from common.memory_estimate import _tokens
+    from common.cluster.memory_estimate import _tokens
 
     def logits(kind: str, **kw):
         folder = tmp_path / f"{kind}{len(kw)}"
@@ -358,7 +360,7 @@ def test_the_plan_counts_a_chunk_of_logits_only_where_the_workers_make_them_in_c
 
     whole = 2 * 64 * 290 * 151936 * 2
     chunk, qwen = logits("qwen2")
-    assert chunk == mp.HEAD_CHUNK and qwen == 2 * 2048 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
+    assert chunk == HEAD_CHUNK and qwen == 2 * 2048 * 151936 * 2 + 151936 * 896 * 6 < whole / 2
     assert logits("gemma2") == (0, whole)
     assert logits("qwen2", zero_stage=3) == (0, whole)
 
@@ -368,7 +370,7 @@ def test_sleep_moves_openrlhfs_states_and_all_with_adam_offload():
     weights stay); with --adam_offload, where OpenRLHF does not sleep, everything DeepSpeed keeps on the GPU."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
-    from common.ds_sleep import sleep_states
+    from common.training.ds_sleep import sleep_states
 
     assert set(sleep_states(False)) == {S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads}
     assert sleep_states(True) is None

@@ -11,8 +11,8 @@ def test_model_folders_that_cannot_work_get_one_message(tmp_path):
     import pytest
 
     from common.errors import UserError
-    from common.models import load_causal_lm, load_tokenizer
-    from common.tiny import tiny_model_path
+    from common.training.models import load_causal_lm, load_tokenizer
+    from common.training.tiny import tiny_model_path
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -38,9 +38,9 @@ def test_model_folders_that_cannot_work_get_one_message(tmp_path):
 
 PRECISION = r"""
 import json, torch
-from common import ds
-from common.models import compile_layers, load_causal_lm
-from common.tiny import tiny_model_path
+from common.training import ds
+from common.training.models import compile_layers, load_causal_lm
+from common.training.tiny import tiny_model_path
 dist = ds.setup_distributed()
 torch.manual_seed(0)
 ids = torch.randint(5, 200, (4, 12))
@@ -88,9 +88,9 @@ def test_torch_autocast_keeps_fp32_weights_and_compiled_blocks_match_eager():
 WEIGHT_CASTS = r"""
 import gc, json, weakref, torch
 from torch.utils._python_dispatch import TorchDispatchMode
-import common.ds as ds
-from common.tiny import tiny_model_path
-from common.workers import ModelSpec, ModelWorker
+import common.training.ds as ds
+from common.training.tiny import tiny_model_path
+from common.rl.workers import ModelSpec, ModelWorker
 
 ds.resolve_dtype = lambda bf16, device: (torch.bfloat16, None)  # bf16 as on a GPU (this CPU would train in fp32)
 w = object.__new__(ModelWorker)
@@ -119,7 +119,7 @@ seen, out = {}, {}
 torch.manual_seed(0)
 micro = {"input_ids": torch.randint(5, 200, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
 w.model.train()
-ours = w.model.forward  # common.ds: the engine's forward without autocast's weight cache
+ours = w.model.forward  # common.training.ds: the engine's forward without autocast's weight cache
 for name, forward in (("worker", ours), ("autocast_cache", ours.__wrapped__)):
     w.model.forward = forward
     for grad in (True, False):
@@ -144,7 +144,7 @@ def test_forwards_under_autocast_keep_no_bf16_copy_of_the_weights():
     """--torch_autocast keeps fp32 weights and casts each to bf16 for its matmul. torch.autocast caches those
     casts until the outermost autocast exits: with gradient checkpointing (nothing saved for backward) and in
     the no-grad log-prob passes, that cache alone held a bf16 copy of every weight matrix at the forward's end
-    (2.4 GiB at 1.5B, 5.2 at 3B on an H200). Every trained engine's forward (common.ds, all scripts) runs without it: at the last layer's end no
+    (2.4 GiB at 1.5B, 5.2 at 3B on an H200). Every trained engine's forward (common.training.ds, all scripts) runs without it: at the last layer's end no
     cast is alive, while the same forward with autocast's cache holds all of them."""
     import json
 

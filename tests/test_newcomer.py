@@ -80,7 +80,7 @@ def two_cpu_cluster(tmp_path_factory):
 
 
 def test_reference_ppo_on_a_two_cpu_cluster_gets_every_change_in_one_message(tmp_path, two_cpu_cluster):
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     model = tiny_model_path()
     args = REFERENCE_PPO.format(model=model, rm=model, out=str(tmp_path / "out")).split()
@@ -104,7 +104,7 @@ def test_cpu_advice_plans_the_counts_it_names():
     """The counts in the message fit the cluster: separate groups get --colocate_all_models too; sleep
     flags alone (a cluster made to fit) are refused before Ray starts; GPU advice is unchanged."""
     from common.errors import UserError
-    from common.resources import check_fits, plan_resources
+    from common.cluster.resources import check_fits, plan_resources
 
     def plan(colocate, **kw):
         return plan_resources(actor=(1, 4), critic=(1, 4), ref=(1, 4), reward=None, vllm_num_engines=2, vllm_tp=2,
@@ -171,7 +171,7 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path):
-    code = ("import os, signal, time\nfrom common.checkpoint import Preemption\np = Preemption()\n"
+    code = ("import os, signal, time\nfrom common.training.checkpoint import Preemption\np = Preemption()\n"
             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(1.5)\nassert p.requested() and p.reason() == 'Ctrl-C'\n"
             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\nprint('still running')\n")
     t0 = time.monotonic()

@@ -191,11 +191,11 @@ def _examples():
 
 @pytest.mark.parametrize("name,ours,args", list(_examples()))
 def test_openrlhf_example_commands(name, ours, args, tmp_path):
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     args = _swap(args, tmp_path, tiny_model_path())
     if ours in ("train_rm", "train_dpo", "train_sft"):
-        from common.tasks import preference_rows, prompt_rows
+        from common.data.tasks import preference_rows, prompt_rows
 
         rows = preference_rows(32, "train", seed=3)
         if ours == "train_sft":  # OpenOrca's columns, as the example's --input_key / --output_key name them

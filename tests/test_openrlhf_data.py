@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from common.blend import PROMPT_FLAGS, blend_order, load_mixture, parse_probs, parse_sources
+from common.data.blend import PROMPT_FLAGS, blend_order, load_mixture, parse_probs, parse_sources
 from common.errors import UserError
 from tests.helpers import ROOT, env, metrics, script
 
@@ -36,8 +36,8 @@ def user_error(fn, *args, **kwargs) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-    from common.models import load_tokenizer
-    from common.tiny import tiny_model_path
+    from common.training.models import load_tokenizer
+    from common.training.tiny import tiny_model_path
 
     return load_tokenizer(tiny_model_path())
 
@@ -133,8 +133,8 @@ def test_split_of_a_single_file(tmp_path):
 # ---- --input_template and --tokenizer_chat_template ------------------------------------------------
 
 def test_input_template_renders_the_prompt(tok):
-    from common.preferences import build_preference_pairs
-    from common.prompts import build_prompts
+    from common.data.preferences import build_preference_pairs
+    from common.data.prompts import build_prompts
 
     t = "Question: {}\nAnswer: "
     ex, _ = build_prompts([{"q": "why {x}?"}], "d", tok, input_key="q", label_key=None, input_template=t)
@@ -154,14 +154,14 @@ def test_input_template_renders_the_prompt(tok):
     (dict(tokenizer_chat_template="{{ x }}"), "add --apply_chat_template"),
 ])
 def test_template_flags_refuse_what_openrlhf_drops_or_ignores(opts, expect):
-    from common.prompts import template_notes
+    from common.data.prompts import template_notes
 
     a = {"dataset": "d.jsonl", "apply_chat_template": False, "prompt_key": "prompt", **opts}
     assert expect in user_error(template_notes, a, "--prompt_key")
 
 
 def test_template_with_a_backslash_n_is_kept_and_noted():
-    from common.prompts import template_notes
+    from common.data.prompts import template_notes
 
     notes = template_notes({"prompt_data": "d.jsonl", "apply_chat_template": False, "input_template": "Q: {}\\nA:"})
     assert len(notes) == 1 and "not a newline" in notes[0]
@@ -169,9 +169,9 @@ def test_template_with_a_backslash_n_is_kept_and_noted():
 
 
 def test_tokenizer_chat_template_replaces_the_tokenizers(tok):
-    from common.models import load_tokenizer
-    from common.prompts import build_prompts, set_chat_template
-    from common.tiny import tiny_model_path
+    from common.training.models import load_tokenizer
+    from common.data.prompts import build_prompts, set_chat_template
+    from common.training.tiny import tiny_model_path
 
     t = load_tokenizer(tiny_model_path())
     set_chat_template(t, TEMPLATE)
@@ -183,7 +183,7 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(tok):
 # ---- --packing_samples for RM and DPO: packed == padded ---------------------------------------------
 
 def _pairs(tok):
-    from common.preferences import build_preference_pairs, collate_pairs
+    from common.data.preferences import build_preference_pairs, collate_pairs
 
     rows = [{"prompt": "the cat", "chosen": "sat on the mat today", "rejected": "no"},
             {"prompt": "a much longer prompt about the weather and more", "chosen": "sunny", "rejected": "rain all day long"},
@@ -193,10 +193,10 @@ def _pairs(tok):
 
 
 def test_packed_reward_model_loss_equals_padded(tok):
-    from common.losses import bradley_terry_loss
-    from common.models import load_reward_model
-    from common.packing import sequence_rewards
-    from common.tiny import tiny_model_path
+    from common.algo.losses import bradley_terry_loss
+    from common.training.models import load_reward_model
+    from common.algo.packing import sequence_rewards
+    from common.training.tiny import tiny_model_path
 
     torch.manual_seed(0)
     model = load_reward_model(tiny_model_path(), attn_impl="sdpa", pad_token_id=tok.pad_token_id)
@@ -216,9 +216,9 @@ def test_packed_reward_model_loss_equals_padded(tok):
 def test_packed_dpo_loss_equals_padded(tok):
     from transformers import AutoModelForCausalLM
 
-    from common.losses import dpo_loss, nll_loss, sequence_logprobs
-    from common.packing import next_token_logprobs
-    from common.tiny import tiny_model_path
+    from common.algo.losses import dpo_loss, nll_loss, sequence_logprobs
+    from common.algo.packing import next_token_logprobs
+    from common.training.tiny import tiny_model_path
 
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation="sdpa")
@@ -245,7 +245,7 @@ def test_packed_dpo_loss_equals_padded(tok):
 
 SCHEDULE = r"""
 import json, torch
-from common import ds
+from common.training import ds
 dist = ds.setup_distributed()
 model = torch.nn.Linear(4, 1)
 s = ds.DSSettings(zero_stage=0, micro_train_batch_size=1, train_batch_size=1)
@@ -261,7 +261,7 @@ def test_cosine_with_min_lr_decays_to_min_lr_ratio_after_a_ceil_warmup():
     """OpenRLHF: ceil(0.05 x 10) = 1 warm-up step, then cosine from lr to lr x --min_lr_ratio."""
     import math
 
-    # a world of one, as `python train_*.py` makes it (common.dist.setup_distributed)
+    # a world of one, as `python train_*.py` makes it (common.training.dist.setup_distributed)
     e = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     p = subprocess.run([sys.executable, "-c", SCHEDULE], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -275,7 +275,7 @@ def test_cosine_with_min_lr_decays_to_min_lr_ratio_after_a_ceil_warmup():
 # ---- --use_liger_kernel, --ref_offload ------------------------------------------------------------------
 
 def test_liger_is_said_not_used_off_gpu_or_not_installed():
-    from common.liger import apply_liger
+    from common.training.liger import apply_liger
 
     assert "not used on the CPU" in apply_liger(object(), torch.device("cpu"))
     try:
@@ -285,7 +285,7 @@ def test_liger_is_said_not_used_off_gpu_or_not_installed():
 
 
 def test_ref_offload_zero3_config_offloads_parameters():
-    from common import ds
+    from common.training import ds
 
     s = ds.DSSettings(zero_stage=3)
     assert ds.eval_config(s, torch.float32, True)["zero_optimization"]["offload_param"]["device"] == "cpu"
@@ -297,7 +297,7 @@ def test_ref_offload_zero3_config_offloads_parameters():
 
 @pytest.fixture(scope="module")
 def two_sets(tmp_path_factory):
-    from common.tasks import preference_rows
+    from common.data.tasks import preference_rows
 
     d = tmp_path_factory.mktemp("mix")
     rows = preference_rows(96, "train", seed=4)
@@ -342,7 +342,7 @@ def test_rm_data_flags_refused_with_one_message(tmp_path, two_sets):
 
 
 def test_grpo_mixes_prompt_sets_with_a_template(tmp_path, ray_head):
-    from common.tasks import prompt_rows
+    from common.data.tasks import prompt_rows
 
     rows = [{"question": r["prompt"][0]["content"], "answer": r["label"]} for r in prompt_rows(24, "train", seed=9)]
     a, b = write_jsonl(tmp_path / "a.jsonl", rows[:16]), write_jsonl(tmp_path / "b.jsonl", rows[16:])

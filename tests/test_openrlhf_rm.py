@@ -44,7 +44,7 @@ def orl():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     return tiny_model_path()
 
@@ -112,7 +112,7 @@ def test_the_folder_is_openrlhfs_format(orl_folder):
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_reward_scores_equal_openrlhfs_loader(orl, orl_folder, normalize):
-    from common.models import load_reward_model, reward_scores
+    from common.training.models import load_reward_model, reward_scores
 
     path, _ = orl_folder
     theirs = _load_orl(orl, path, "reward", normalize)
@@ -132,7 +132,7 @@ def test_reward_scores_equal_openrlhfs_loader(orl, orl_folder, normalize):
 @pytest.mark.parametrize("normalize", [False, True])
 def test_critic_values_equal_openrlhfs_loader(orl, orl_folder, normalize):
     """OpenRLHF's critic normalises its values in training as at inference; so does ours."""
-    from common.models import load_reward_model, token_values
+    from common.training.models import load_reward_model, token_values
 
     path, _ = orl_folder
     theirs = _load_orl(orl, path, "critic", normalize)
@@ -150,8 +150,8 @@ def test_critic_values_equal_openrlhfs_loader(orl, orl_folder, normalize):
 
 WORKER = r"""
 import sys, torch
-from common.ds import DSSettings
-from common.workers import ModelSpec, ModelWorker
+from common.training.ds import DSSettings
+from common.rl.workers import ModelSpec, ModelWorker
 from tests.test_openrlhf_rm import _rows
 
 path, out = sys.argv[1], sys.argv[2]
@@ -193,7 +193,7 @@ def test_a_wrong_head_name_is_one_clear_message(orl_folder, tmp_path):
     """The folder's config names the head; without that record the flag must name it, or the load stops
     (a reward model with a new random head would train on noise)."""
     from common.errors import UserError
-    from common.models import load_reward_model
+    from common.training.models import load_reward_model
 
     path, prefix = orl_folder
     assert load_reward_model(path, value_head_prefix="elsewhere").config.value_head_prefix == prefix  # config wins
@@ -217,8 +217,8 @@ def test_our_reward_model_records_mean_std_and_head_and_loads_in_openrlhf(orl, t
     and (unbiased) std over its chosen and rejected responses; OpenRLHF's loader then scores it as ours."""
     from safetensors import safe_open
 
-    from common.models import load_reward_model, load_tokenizer, reward_scores
-    from common.preferences import collate_pairs, load_preference_data
+    from common.training.models import load_reward_model, load_tokenizer, reward_scores
+    from common.data.preferences import collate_pairs, load_preference_data
 
     out = str(tmp_path / "rm")
     script("train_rm.py", "--save_path", out, "--max_steps", "2", "--eval_steps", "2", "--value_head_prefix",

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from common.logprobs import token_logprobs
-from common.losses import policy_loss
-from common.packing import pack
+from common.algo.logprobs import token_logprobs
+from common.algo.losses import policy_loss
+from common.algo.packing import pack
 
 
 def _batch(lengths, vocab=500, seed=0):
@@ -22,7 +22,7 @@ def _batch(lengths, vocab=500, seed=0):
 def test_packed_logprobs_and_policy_loss_equal_padded():
     from transformers import AutoModelForCausalLM
 
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation="sdpa").eval()
     ids, mask = _batch([9, 4, 12, 2])
@@ -45,7 +45,7 @@ def test_packed_logprobs_and_policy_loss_equal_padded():
 def test_packed_values_equal_padded():
     from transformers import AutoModelForSequenceClassification
 
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1).eval()
@@ -68,7 +68,7 @@ def test_pack_layout():
 
 def test_packing_only_where_a_kernel_skips_the_mask():
     """A GPU without flash-attention keeps rows padded (SDPA would attend over the whole packed row)."""
-    from common.packing import packs_here
+    from common.algo.packing import packs_here
 
     assert packs_here("flash_attention_2", "cuda") and packs_here("sdpa", "cpu")
     assert not packs_here("sdpa", "cuda") and not packs_here("eager", "cuda")

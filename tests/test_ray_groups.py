@@ -10,8 +10,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from common.errors import UserError  # noqa: E402
-from common.ray_groups import BaseWorker, RoleGroup, create_placement_groups, init_ray, local_device_index  # noqa: E402
-from common.resources import plan_resources  # noqa: E402
+from common.cluster.ray_groups import BaseWorker, RoleGroup, create_placement_groups, init_ray, local_device_index  # noqa: E402
+from common.cluster.resources import plan_resources  # noqa: E402
 
 # Ray workers cannot import this test module by name (tests/ is not on their path): ship its
 # classes by value instead.
@@ -24,7 +24,7 @@ class SumWorker(BaseWorker):
         self.scale = scale
 
     def init_dist(self) -> int:
-        from common.ds import setup_distributed
+        from common.training.ds import setup_distributed
 
         return setup_distributed(timeout_s=60).world_size
 

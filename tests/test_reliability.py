@@ -57,8 +57,8 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(tmp_path):
 
 KILL_DURING_SAVE = r"""
 import os, signal, sys, torch
-from common import ds
-from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from common.training import ds
+from common.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 root = sys.argv[1]
 dist = ds.setup_distributed()
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
@@ -104,7 +104,8 @@ def test_nan_loss_stops_the_run_with_the_step(tmp_path):
 
 SKIP_NONFINITE = r"""
 import json, torch
-from common import ds, updates
+from common.training import ds
+from common.training import updates
 dist = ds.setup_distributed()
 # seeded: with some draws the one-element bias's bf16 step rounds to no change, and 'changed' failed
 torch.manual_seed(0)
@@ -202,7 +203,7 @@ def test_hung_reward_server_ends_the_run_with_a_timeout(tmp_path, ray_head):
 def _prompts(tmp_path):
     import json
 
-    from common.tasks import prompt_rows
+    from common.data.tasks import prompt_rows
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(32, "train", seed=4)))
@@ -256,7 +257,7 @@ def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypa
     tells them apart by the file it names in HYBRIDRL_STOPPED_FILE, which only a stop after its checkpoint creates."""
     import signal as sig
 
-    from common.checkpoint import Preemption
+    from common.training.checkpoint import Preemption
 
     marker = tmp_path / "stopped"
     monkeypatch.setenv("HYBRIDRL_STOPPED_FILE", str(marker))
@@ -280,7 +281,7 @@ def test_preemption_marks_a_stop_only_where_the_launcher_asks(tmp_path, monkeypa
 
 GRAD_NORM = r"""
 import json, torch
-from common import ds
+from common.training import ds
 dist = ds.setup_distributed()
 x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
 
@@ -340,7 +341,7 @@ def test_a_layout_this_machine_cannot_hold_is_refused_before_any_process(tmp_pat
     """OpenRLHF's 8-GPU PPO command run as `python train_ppo.py` on a CPU: 24 worker processes for a Ray of its own,
     against 4 per core of the 2 it may use. Refused in seconds with the README's counts, the message a too small
     `ray start` cluster gives, before Ray or any other process starts; its --dry_run starts none either."""
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
     from tests.test_newcomer import TAG, _run_processes
     from tests.test_rl import REFERENCE_GRPO, REFERENCE_PPO
 
@@ -394,7 +395,7 @@ def test_a_stale_ray_cluster_file_gives_a_local_ray(tmp_path, ray_tmpdir):
     assert len(said) == 1 and said[0].startswith("warning: nothing answers at "), p.stderr[-3000:]
     assert said[0].endswith("starting a local Ray for this run"), said
     assert metrics(out)[-1]["step"] == 1
-    code = "from common.errors import exit_on_user_error\nfrom common.ray_groups import init_ray\n" \
+    code = "from common.errors import exit_on_user_error\nfrom common.cluster.ray_groups import init_ray\n" \
            "with exit_on_user_error():\n    init_ray()\n"
     p = subprocess.run([PY, "-c", code], cwd=ROOT, env=e | {"RAY_ADDRESS": "auto"}, capture_output=True, text=True,
                        timeout=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import UserError
-from common.resources import check_fits, check_fits_here, local_workers, plan_resources, plan_rows
+from common.cluster.resources import check_fits, check_fits_here, local_workers, plan_resources, plan_rows
 
 NO_COLOCATE = dict(colocate_actor_ref=False, colocate_critic_reward=False, colocate_all_models=False)
 
@@ -112,7 +112,7 @@ def test_check_fits_names_the_shortfall_and_the_fix():
 
 def test_a_local_ray_refuses_more_worker_processes_than_the_machine_holds(monkeypatch):
     """A Ray of the run's own is made to fit the plan's bundles; the machine is not: the 8-GPU hybrid command on a
-    CPU is 24 processes (the reference and the reward model load into the actor's: common.guests), against 4 per
+    CPU is 24 processes (the reference and the reward model load into the actor's: common.rl.guests), against 4 per
     core, and gets the README's counts, which fit, with the sleep flags in the same message."""
     monkeypatch.delenv("HYBRIDRL_SHARE_PROCESS", raising=False)
     ref = dict(critic=(1, 8), ref=(1, 8), reward=(1, 8), engines=4, tp=2, colocate_all_models=True, use_gpu=False)

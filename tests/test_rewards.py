@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import tasks
+from common.data import tasks
 from common.errors import UserError
-from common.rewards import RemoteReward, load_reward_func, score_with_function, validate_scores
+from common.rl.rewards import RemoteReward, load_reward_func, score_with_function, validate_scores
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reward_func_copy.py"
 

@@ -51,7 +51,7 @@ def test_builtin_default_reward_rises(ray_head, default_runs, name):
     # only an exact copy passes (--eval_correct_threshold 1.0), so pass@1 starts far from its ceiling and
     # the improvement shows; the best checkpoint is the highest pass@1, the later step on a tie
     assert evals[0][1] < 0.5 and evals[-1][1] > evals[0][1], evals
-    from common.checkpoint import latest_checkpoint
+    from common.training.checkpoint import latest_checkpoint
 
     best = max((v, s) for s, v in evals[1:])[1]
     assert latest_checkpoint(os.path.join(out, "checkpoints", "best", "actor")).endswith(f"step{best:08d}"), evals
@@ -81,10 +81,10 @@ def test_builtin_default_reward_rises(ray_head, default_runs, name):
 def _check_samples(stdout: str) -> None:
     """Each `sample:` line shows the end of its prompt in whole tokens: the last ones whose text fits 60
     characters, `…` in front when cut (a cut of the text gave `'tart|>user\\n...'`, half of `<|im_start|>`)."""
-    from common.models import load_tokenizer
-    from common.prompts import encode, render_chat, user_turn
-    from common.tasks import user_text
-    from common.tiny import tiny_model_path
+    from common.training.models import load_tokenizer
+    from common.data.prompts import encode, render_chat, user_turn
+    from common.data.tasks import user_text
+    from common.training.tiny import tiny_model_path
 
     tok = load_tokenizer(tiny_model_path())
     shown = re.findall(r"^sample: (…?)('(?:[^'\\]|\\.)*') -> ", stdout, re.M)
@@ -126,7 +126,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
                       "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1",
                       "--save_value_network"]),
-    # also the policy's own decoding with a preallocated cache (common.decode)
+    # also the policy's own decoding with a preallocated cache (common.rollout.decode)
     ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                       "--n_samples_per_prompt", "4", "--static_kv_cache"]),
 ])
@@ -155,7 +155,7 @@ def test_variants_run(tmp_path, ray_head, name, flags):
 
 @pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory):
-    from common.tasks import prompt_rows
+    from common.data.tasks import prompt_rows
 
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     with open(path, "w") as f:
@@ -185,10 +185,10 @@ def _prompt_flags(prompt_file, name="train_grpo.py"):
 def test_reward_function_file_and_evaluation_on_the_users_data(tmp_path, ray_head, prompt_file):
     """A reward function file, --eval_dataset of the user's own prompts, --eval_steps -1 (at the end of each
     pass over the prompts, and at the last step), and pass@k from the function's own "pass" verdicts."""
-    from common.tasks import prompt_rows
+    from common.data.tasks import prompt_rows
 
     fn, held_out, out = tmp_path / "reward.py", tmp_path / "held_out.jsonl", str(tmp_path / "run")
-    fn.write_text("from common.tasks import reward_func as copy\n\n\n"
+    fn.write_text("from common.data.tasks import reward_func as copy\n\n\n"
                   "def reward_func(prompts, completions, labels):\n"
                   "    r = copy(prompts, completions, labels)\n"
                   "    return {'rewards': r, 'pass': [x == 1.0 for x in r]}  # only an exact copy passes\n")
@@ -215,7 +215,7 @@ class _CopyScorer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).calls += 1
-        from common.tasks import reward_func
+        from common.data.tasks import reward_func
 
         out = json.dumps({"rewards": reward_func(body["prompts"], body["completions"], body["labels"])}).encode()
         self.send_response(200)
@@ -244,7 +244,7 @@ def test_http_reward_server(tmp_path, ray_head, prompt_file):
 
 def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, ray_head, prompt_file, tiny_rm):
     """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it. Colocated,
-    the reference loads into the actor's processes and the reward model into the critic's (common.guests):
+    the reference loads into the actor's processes and the reward model into the critic's (common.rl.guests):
     the run equals the one with a process per role, number for number."""
     flags = ["--reward_pretrain", tiny_rm, "--colocate_critic_reward", "--colocate_actor_ref",
              *_prompt_flags(prompt_file, "train_ppo.py")]
@@ -262,7 +262,7 @@ def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, 
 def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file):
     """A reward function that raises ends the run with exit code 2 and one message naming the file, the
     error and the prompt. Its other bad replies (NaN, a wrong count, non-numbers, a hang) take the same way
-    out of the same check, common.rewards.score_with_function, whose messages tests/test_rewards.py reads."""
+    out of the same check, common.rl.rewards.score_with_function, whose messages tests/test_rewards.py reads."""
     fn, expect = tmp_path / "bad_reward.py", "raised ValueError: scorer broke"
     fn.write_text("def reward_func(prompts, completions, labels):\n    raise ValueError('scorer broke')\n")
     p = script("train_grpo.py", "--save_path", str(tmp_path / "run"), "--reward_func", str(fn),
@@ -302,7 +302,7 @@ REFERENCE_GRPO = """--advantage_estimator group_norm --ref_num_nodes 1 --ref_num
 @pytest.mark.parametrize("name,flags", [("train_ppo.py", REFERENCE_PPO), ("train_ppo.py", REFERENCE_GRPO),
                                         ("train_grpo.py", REFERENCE_GRPO)])
 def test_reference_commands_dry_run_print_the_plan(tmp_path, name, flags):
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     model = tiny_model_path()
     args = flags.format(model=model, rm=model, out=str(tmp_path / "out")).split()
@@ -361,7 +361,7 @@ def _on_cpu(flags: str, workers: int, tp: int) -> list[str]:
      ["--rollout_batch_size", "8", "--train_batch_size", "8"]),
 ])
 def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, workers, tp, small, tiny_rm):
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     out = str(tmp_path / "out")
     args = _on_cpu(flags.format(model=tiny_model_path(), rm=tiny_rm, out=out), workers, tp)

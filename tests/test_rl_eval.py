@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from common.rl_eval import KL_WARN, TRUNCATED_WARN, BestCheckpoint, pass_at_k, pass_metrics, run_health, task_metrics
+from common.rl.eval import KL_WARN, TRUNCATED_WARN, BestCheckpoint, pass_at_k, pass_metrics, run_health, task_metrics
 
 
 def _naive(results: list[bool], k: int) -> float:

@@ -14,7 +14,7 @@ from tests.helpers import PY, ROOT, last, metrics, run, script
 
 @pytest.fixture(scope="session")
 def tiny():
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     return tiny_model_path()
 
@@ -22,7 +22,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def pref_file(tmp_path_factory):
     """A preference file in OpenRLHF's format (chosen/rejected message lists)."""
-    from common.tasks import preference_rows
+    from common.data.tasks import preference_rows
 
     path = tmp_path_factory.mktemp("data") / "prefs.jsonl"
     with open(path, "w") as f:
@@ -48,8 +48,8 @@ def test_rm_learns_the_builtin_task_and_saves_a_loadable_model(tmp_path, tiny):
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.models import load_reward_model, reward_scores
-    from common.tasks import preference_rows
+    from common.training.models import load_reward_model, reward_scores
+    from common.data.tasks import preference_rows
 
     model = load_reward_model(out)
     assert isinstance(model, AutoModelForSequenceClassification._model_mapping[type(model.config)])
@@ -108,7 +108,7 @@ def test_zero3_two_processes_torchrun(tmp_path, tiny, pref_file):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["hybridrl"]["zero_stage"] == 3 and cfg["model_type"] == "qwen2"  # run options + model config
-    from common.models import load_reward_model
+    from common.training.models import load_reward_model
 
     model = load_reward_model(out)  # gathered from the two shards into full tensors
     assert model.score.weight.shape[1] == model.config.hidden_size

@@ -5,11 +5,11 @@ import torch
 
 
 def test_static_kv_cache_generates_what_the_dynamic_cache_does():
-    from common.models import load_causal_lm, load_tokenizer
-    from common.prompts import build_prompts
-    from common.rollout import hf_generate
-    from common.tasks import prompt_rows
-    from common.tiny import tiny_model_path
+    from common.training.models import load_causal_lm, load_tokenizer
+    from common.data.prompts import build_prompts
+    from common.rollout.decode import hf_generate
+    from common.data.tasks import prompt_rows
+    from common.training.tiny import tiny_model_path
 
     path = tiny_model_path()
     tok = load_tokenizer(path)
@@ -31,7 +31,7 @@ def test_static_kv_cache_generates_what_the_dynamic_cache_does():
 
 
 def test_generation_note_points_gpu_users_at_the_fast_generation_paths():
-    from common.rollout import generation_note
+    from common.rollout.samples import generation_note
 
     note = generation_note(use_gpu=True, vllm_engines=0, static_cache=False, zero_stage=2)
     assert "--static_kv_cache" in note and "--vllm_num_engines" in note
@@ -51,7 +51,7 @@ def test_make_batch_equals_a_row_by_row_build():
 
     import pytest
 
-    from common.rollout import Samples, make_batch
+    from common.rollout.samples import Samples, make_batch
 
     rng = random.Random(0)
     responses = [[rng.randint(4, 500) for _ in range(rng.randint(0, 40))] for _ in range(33)]
@@ -83,7 +83,7 @@ def test_decode_attention_equals_sdpa_with_repeated_kv_heads():
     """One query per row against a left-padded cache: grouped matmuls = transformers' SDPA path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from common.decode import _decode_attention
+    from common.rollout.decode import _decode_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups, is_causal, training = 4, True, False
@@ -104,7 +104,7 @@ def test_decode_attention_equals_sdpa_with_repeated_kv_heads():
 def test_sampled_tokens_follow_the_tempered_nucleus():
     """argmax(p / Exp(1)) draws token i with probability p_i: frequencies over 40k rows against the
     softmax at temperature 0.7, and with top_p 0.8 only the nucleus, renormalized."""
-    from common.decode import sample_tokens
+    from common.rollout.decode import sample_tokens
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     rows = 40_000
@@ -120,9 +120,9 @@ def test_sampled_tokens_follow_the_tempered_nucleus():
 
 
 def test_static_decoding_marks_truncated_rows_and_stops_at_eos():
-    from common.models import load_causal_lm
-    from common.rollout import hf_generate
-    from common.tiny import tiny_model_path
+    from common.training.models import load_causal_lm
+    from common.rollout.decode import hf_generate
+    from common.training.tiny import tiny_model_path
 
     model = load_causal_lm(tiny_model_path()).eval()
     rows = [[1, 5, 6, 7], [1, 8, 9]]
@@ -151,7 +151,7 @@ def test_positions_note_counts_the_longest_prompt_not_the_flag(tmp_path):
     banner from the actual longest prompt, so the default task on a 512-position model is not warned."""
     import json
 
-    from common.rollout import positions_note
+    from common.rollout.samples import positions_note
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     assert positions_note(str(tmp_path), 20, 492) is None

@@ -1,13 +1,13 @@
-"""The --async_train queue (common/rollout_queue.py) against a fake engine that records which weights
+"""The --async_train queue (common/rollout/queue.py) against a fake engine that records which weights
 generated what: bounded staleness, the synchronous loop at depth 0, checkpoints as barriers that make
 a resumed run regenerate its in-flight rollouts exactly."""
 from __future__ import annotations
 
 import pytest
 
-from common.data import iterate_batches
-from common.rollout import Samples
-from common.rollout_queue import RolloutQueue, rollout_version, staleness
+from common.data.rows import iterate_batches
+from common.rollout.samples import Samples
+from common.rollout.queue import RolloutQueue, rollout_version, staleness
 
 
 class FakeEngine:
@@ -100,7 +100,7 @@ def test_settle_waits_for_the_rollouts_in_flight_except_with_partial_rollout(par
     assert [r.samples is None for r in q.pending] == [partial, partial]
 
 
-# ---------------------------------------------------------------- --partial_rollout (common/partial_rollout.py)
+# ---------------------------------------------------------------- --partial_rollout (common/rollout/partial.py)
 class CountingEngine:
     """A stand-in for VllmEngine.generate: each token is the last one + 1, a multiple of 10 ends the
     sample (eos); every sample is tagged with the version the engine holds, which the test moves."""
@@ -126,7 +126,7 @@ class CountingEngine:
 
 
 def test_partial_chunks_continue_samples_and_tag_each_token_with_its_version():
-    from common.partial_rollout import CHUNK_SEED, generate_in_chunks
+    from common.rollout.partial import CHUNK_SEED, generate_in_chunks
 
     engine = CountingEngine()
 
@@ -154,7 +154,7 @@ def test_partial_rollout_raises_a_shards_error_in_the_collecting_thread():
     import threading
 
     from common.errors import TrainingError
-    from common.partial_rollout import submit_chunked
+    from common.rollout.partial import submit_chunked
 
     engines = [CountingEngine(), CountingEngine()]
 
@@ -190,7 +190,7 @@ def test_partial_rollout_threads_never_hold_a_stopping_run():
     code = textwrap.dedent("""
         import threading
         from common.errors import UserError, exit_on_user_error
-        from common.partial_rollout import submit_chunked
+        from common.rollout.partial import submit_chunked
 
         hung = lambda engine, timeout_s: lambda *args: threading.Event().wait()  # a chunk that never returns
         submit_chunked([object()], [[1]], dict(n=1, max_new_tokens=4), seed=0, chunk=2, call=hung)

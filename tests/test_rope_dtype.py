@@ -1,12 +1,12 @@
-"""RoPE's inverse frequencies stay fp32 in bf16 models (common.models.rope_in_fp32): ZeRO-3's zero.Init and a
+"""RoPE's inverse frequencies stay fp32 in bf16 models (common.training.models.rope_in_fp32): ZeRO-3's zero.Init and a
 frozen model's `.to(bfloat16)` round them, which doubled the trainer-vs-vLLM log-prob gap at 3B."""
 from __future__ import annotations
 
 import torch
 
-from common import ds
-from common.models import load_causal_lm, rope_in_fp32
-from common.tiny import tiny_model_path
+from common.training import ds
+from common.training.models import load_causal_lm, rope_in_fp32
+from common.training.tiny import tiny_model_path
 
 
 def test_rope_buffers_come_back_in_fp32():

@@ -22,8 +22,8 @@ def _msg(role, content):
 def tiny():
     from transformers import AutoModelForCausalLM
 
-    from common.models import load_tokenizer
-    from common.tiny import tiny_model_path
+    from common.training.models import load_tokenizer
+    from common.training.tiny import tiny_model_path
 
     path = tiny_model_path()
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def tiny():
 
 
 def _examples(tok, rows, **keys):
-    from common.sft_data import SFTKeys, build_sft_examples
+    from common.data.sft import SFTKeys, build_sft_examples
 
     return build_sft_examples(rows, "data.jsonl", tok, SFTKeys(**keys))[0]
 
@@ -74,7 +74,7 @@ MIXED = [  # responses of different lengths, so padding and the token mean matte
 
 
 def test_sft_loss_is_the_masked_cross_entropy_padded_and_packed(tiny):
-    from common.sft_data import collate_sft
+    from common.data.sft import collate_sft
     from train_sft import sft_loss
 
     tok, model = tiny
@@ -109,7 +109,7 @@ def test_multiturn_trains_every_assistant_turn_and_nothing_else(tiny):
     text = tok.decode([t for t, m in zip(multi.ids, multi.loss_mask) if not m])
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nRepeat: red<|im_end|>\n"
                     "<|im_start|>assistant\n\n<|im_start|>user\nRepeat: cat dog<|im_end|>\n<|im_start|>assistant\n")
-    from common.sft_data import collate_sft
+    from common.data.sft import collate_sft
     from train_sft import sft_loss
 
     want, count = _naive_loss(model, [multi])
@@ -119,7 +119,7 @@ def test_multiturn_trains_every_assistant_turn_and_nothing_else(tiny):
 
 
 def test_pretrain_mode_counts_every_token(tiny):
-    from common.sft_data import collate_sft
+    from common.data.sft import collate_sft
     from train_sft import sft_loss
 
     tok, model = tiny
@@ -153,7 +153,7 @@ def test_row_layouts_give_the_same_sequence(tiny):
 
 def test_long_rows_are_cut_with_eos_last_or_dropped(tiny):
     from common.errors import UserError
-    from common.sft_data import SFTKeys, build_sft_examples
+    from common.data.sft import SFTKeys, build_sft_examples
 
     tok, _ = tiny
     rows = [{"input": "red", "output": " ".join(["cat"] * 40)}, {"input": " ".join(["sun"] * 60), "output": "moon"},
@@ -256,7 +256,7 @@ def test_make_pipeline_runs_sft_then_rm_then_ppo(tmp_path):
     0.30 -> 0.62, 0.25 -> 0.72, 0.20 -> 0.51; no response truncated; KL of the last fifth 0.20, 0.17,
     0.48. Before the Makefile's fix: the reward 0.30 -> 0.80 with every answer at --generate_max_len
     and KL 4.9."""
-    from common.rl_eval import KL_WARN, TRUNCATED_WARN
+    from common.rl.eval import KL_WARN, TRUNCATED_WARN
 
     out = tmp_path / "pipeline"
     # -o: the suite runs inside the installed venv; a test never reinstalls it

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.logprobs import token_stats
-from common.rollout import Samples, make_batch, trim
-from common.shared_prefix import prompt_groups, prompt_lengths, shared_prefix_stats
+from common.algo.logprobs import token_stats
+from common.rollout.samples import Samples, make_batch, trim
+from common.algo.shared_prefix import prompt_groups, prompt_lengths, shared_prefix_stats
 
 TEMPERATURE = 0.7
 
@@ -66,7 +66,7 @@ def test_prompt_lengths_and_groups():
 def test_shared_prefix_equals_plain_forward(attn):
     from transformers import AutoModelForCausalLM
 
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation=attn, dtype=torch.float32)
     model.train()  # as the actor trains (the tiny model has no dropout)
@@ -87,7 +87,7 @@ def test_shared_prefix_without_grad_and_without_entropy():
     """The reference's and the old policy's path: no_grad, log-probs only, one micro-batch."""
     from transformers import AutoModelForCausalLM
 
-    from common.tiny import tiny_model_path
+    from common.training.tiny import tiny_model_path
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32).eval()
     batch = make_batch(_samples(), pad_id=0)

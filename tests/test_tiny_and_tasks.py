@@ -12,11 +12,11 @@ import os
 
 import pytest
 
-from common import tasks
-from common.tasks import (
+from common.data import tasks
+from common.data.tasks import (
     WORDS, copy_reward, preference_rows, pretrain_texts, prompt_rows, reward_func,
 )
-from common.tiny import TINY_VERSION, sample_copy_reward, tiny_model_dir, tiny_model_path
+from common.training.tiny import TINY_VERSION, sample_copy_reward, tiny_model_dir, tiny_model_path
 
 
 def _words_of(user_content: str) -> tuple[str, ...]:

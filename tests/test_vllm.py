@@ -46,7 +46,7 @@ def test_engine_gc_timer_counts_collections_once():
     """The engines report their garbage collector's seconds per generate call (time/engine_gc_s)."""
     import gc
 
-    from common.engine_clock import _CLOCK, _gc_timer, time_gc
+    from common.rollout.vllm_engine import _CLOCK, _gc_timer, time_gc
 
     time_gc()
     time_gc()  # a second engine in the process must not add a second timer
@@ -66,33 +66,33 @@ def test_triton_compile_timer_keeps_the_hooks_it_found(monkeypatch):
     """time/engine_jit_s: the engine times Triton's compiles through its two runtime hooks and still
     calls the hooks set before it (vLLM's JIT monitor), whose answer to skip a compile Triton obeys.
     Triton itself compiles only on a GPU, so its `knobs.runtime` is a stand-in namespace here."""
-    from common import engine_clock
+    from common.rollout import vllm_engine
 
     calls = []
     runtime = SimpleNamespace(jit_cache_hook=lambda **kw: calls.append(("cache", kw["key"])) or kw["key"] == "skip",
                               jit_post_compile_hook=lambda **kw: calls.append(("post", kw["key"])))
     monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
-    monkeypatch.setitem(engine_clock._CLOCK, "hooks", (None, None))
-    assert engine_clock.time_jit() and engine_clock.time_jit()  # the second call must not wrap our own hooks
-    assert runtime.jit_post_compile_hook is engine_clock._jit_after
-    m = engine_clock.mark()
+    monkeypatch.setitem(vllm_engine._CLOCK, "hooks", (None, None))
+    assert vllm_engine.clock_time_jit() and vllm_engine.clock_time_jit()  # the second call must not wrap our own hooks
+    assert runtime.jit_post_compile_hook is vllm_engine._jit_after
+    m = vllm_engine.clock_mark()
     kernel = SimpleNamespace(name="_gumbel_sample_kernel")
     assert not runtime.jit_cache_hook(key="k1", fn=kernel)  # Triton compiles between the two hooks
     time.sleep(0.05)
     runtime.jit_post_compile_hook(key="k1", fn=kernel)
     assert runtime.jit_cache_hook(key="skip", fn=kernel)  # the earlier hook's "skip" reaches Triton
-    extra, compiled = engine_clock.since(m, jit=True)
+    extra, compiled = vllm_engine.clock_since(m, jit=True)
     assert 0.05 <= extra["engine_jit_s"] < 1.0 and compiled == ["_gumbel_sample_kernel"]
     assert calls == [("cache", "k1"), ("post", "k1"), ("cache", "skip")]
-    assert "engine_jit_s" not in engine_clock.since(m, jit=False)[0]
+    assert "engine_jit_s" not in vllm_engine.clock_since(m, jit=False)[0]
 
 
 def test_model_runner_v2_only_for_dense_listed_architectures():
     """On GPU the scripts ask vLLM for its model runner v2 where it runs the measured code path."""
     from transformers import AutoConfig, Qwen2Config
 
-    from common.tiny import tiny_model_path
-    from common.vllm_engine import runner_v2_suits
+    from common.training.tiny import tiny_model_path
+    from common.rollout.vllm_engine import runner_v2_suits
 
     assert runner_v2_suits(AutoConfig.from_pretrained(tiny_model_path()))  # the built-in Qwen2
     assert not runner_v2_suits(Qwen2Config(architectures=["Qwen2MoeForCausalLM"]))
@@ -106,16 +106,16 @@ def rig(ray_cluster):
     """A 1-rank ZeRO-3 actor (`ModelWorker`) and one vLLM engine on their own bundles."""
     from ray.util.placement_group import remove_placement_group
 
-    from common.ds import DSSettings
-    from common.models import load_tokenizer
-    from common.prompts import build_prompts
-    from common.ray_groups import RoleGroup, create_placement_groups, get
-    from common.resources import plan_resources
-    from common.tasks import prompt_rows
-    from common.tiny import tiny_model_path
-    from common.vllm_engine import EngineSpec, start_engines
-    from common.weight_sync import WeightSync
-    from common.workers import ModelSpec, ModelWorker
+    from common.training.ds import DSSettings
+    from common.training.models import load_tokenizer
+    from common.data.prompts import build_prompts
+    from common.cluster.ray_groups import RoleGroup, create_placement_groups, get
+    from common.cluster.resources import plan_resources
+    from common.data.tasks import prompt_rows
+    from common.training.tiny import tiny_model_path
+    from common.rollout.vllm_engine import EngineSpec, start_engines
+    from common.rollout.weight_sync import WeightSync
+    from common.rl.workers import ModelSpec, ModelWorker
 
     path = tiny_model_path()
     plan = plan_resources(actor=(1, 1), critic=None, ref=None, reward=None, vllm_num_engines=1, vllm_tp=1,
@@ -153,7 +153,7 @@ def _engine(rig, prompts, sampling, seed=0):
 
 def _trainer_logprobs(rig, samples):
     """(trainer log-probs, engine log-probs, mask), each [N, T-1], for the engine's samples."""
-    from common.rollout import make_batch
+    from common.rollout.samples import make_batch
 
     batch = make_batch(samples, rig.tok.pad_token_id)
     lp = rig.actor.call("logprobs", batch, 8)[0]
@@ -164,7 +164,7 @@ def _trainer_logprobs(rig, samples):
 def test_engine_follows_the_trainer_after_sync(rig, transport, answer):
     """Each transport in turn: the engine holds the trainer's weights at the start (the first run's
     sync left it so), and after training toward a new answer it follows only once synced."""
-    from common.rollout import Samples, make_batch
+    from common.rollout.samples import Samples, make_batch
 
     prompts = rig.prompts
     before = _engine(rig, prompts, GREEDY)
@@ -210,7 +210,7 @@ def test_async_sync_returns_before_the_load_and_a_failed_load_stops_generation(r
     reports the load; a load that fails makes the engine refuse to sample until a complete load."""
     import torch
 
-    from common.rollout import Samples, make_batch
+    from common.rollout.samples import Samples, make_batch
 
     sync = rig.syncs["gloo"]
     prompts = rig.prompts
@@ -245,7 +245,7 @@ def test_async_sync_returns_before_the_load_and_a_failed_load_stops_generation(r
 
 def test_generate_balanced_keeps_prompt_order_with_more_engines_than_prompts(rig):
     """4 shards of 2 prompts: shards 0 and 3 are empty; each sample must still name its own prompt."""
-    from common.vllm_engine import generate_balanced
+    from common.rollout.vllm_engine import generate_balanced
 
     prompts = rig.prompts[:2]
     alone = [_engine(rig, [p], GREEDY).response_ids[0] for p in prompts]
@@ -260,7 +260,7 @@ def test_sync_timeout_names_the_engine(rig):
     """An engine busy with a long generate call cannot take the buckets in time (Ray runs one call
     of an actor at a time): the sync stops naming it; once idle, the engine syncs normally."""
     from common.errors import UserError
-    from common.weight_sync import WeightSync
+    from common.rollout.weight_sync import WeightSync
 
     # A rollout big enough to keep the engine busy for ~8 s, sized from a timed small one (the tiny
     # model answers in ~4 tokens, so only the number of samples makes a generate call long).
@@ -307,8 +307,8 @@ def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, t
     of the first chunk carry version 0 and the later ones version 1, and the engine's log-prob of each
     token is that of the weights that sampled it (a plain transformers forward of each version's
     saved weights), not the other's. Without a sync in the middle, chunked rollouts repeat exactly."""
-    from common.partial_rollout import submit_chunked
-    from common.rollout import Samples, make_batch
+    from common.rollout.partial import submit_chunked
+    from common.rollout.samples import Samples, make_batch
 
     old, new = str(tmp_path / "v0"), str(tmp_path / "v1")
     rig.syncs["ray"](0)  # the engine holds the trainer's weights, as version 0
@@ -357,7 +357,7 @@ def test_partial_rollout_tags_each_token_with_the_weights_that_sampled_it(rig, t
 
 
 def test_cpu_binding_gives_each_worker_its_own_cores():
-    from common.vllm_engine import cpu_binding
+    from common.rollout.vllm_engine import cpu_binding
 
     assert cpu_binding([0, 1], 2) == "0|1"
     assert cpu_binding([2, 3, 4, 5, 6], 2) == "2,3|4,5,6"  # the cores this process may use, split in runs
@@ -371,9 +371,9 @@ def test_tensor_parallel_engine_follows_the_trainer(rig):
     weights would mix two models' shards)."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from common.rollout import Samples, make_batch
-    from common.vllm_engine import EngineSpec, start_engines
-    from common.weight_sync import WeightSync
+    from common.rollout.samples import Samples, make_batch
+    from common.rollout.vllm_engine import EngineSpec, start_engines
+    from common.rollout.weight_sync import WeightSync
 
     pg = placement_group([{"CPU": 2.0}])
     ray.get(pg.ready(), timeout=60)
@@ -462,7 +462,7 @@ def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
     print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
 
 
-# each flag with one script: both scripts refuse them in common.rl_run, before Ray
+# each flag with one script: both scripts refuse them in common.rl.run, before Ray
 @pytest.mark.parametrize("name,flags,flag", [
     ("train_grpo.py", ["--vllm_enable_sleep", "--colocate_all_models", "--vllm_num_engines", "1"], "--vllm_enable_sleep"),
     ("train_ppo.py", ["--deepspeed_enable_sleep"], "--deepspeed_enable_sleep"),
@@ -478,7 +478,7 @@ def test_sleep_flags_stop_a_cpu_run_at_start(tmp_path, name, flags, flag):
     assert not out.exists() and took < 30, took
 
 
-# ---------------------------------------------------------------- --async_train (common/rollout_queue.py)
+# ---------------------------------------------------------------- --async_train (common/rollout/queue.py)
 def _trained(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k.startswith(("rollout/", "train/"))} for r in rows]
 

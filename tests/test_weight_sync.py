@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.errors import UserError
-from common.weight_sync import choose_transport, pack, plan_buckets, unpack
+from common.rollout.weight_sync import choose_transport, pack, plan_buckets, unpack
 
 
 def test_buckets_cover_every_parameter_once_in_order_and_round_trip():

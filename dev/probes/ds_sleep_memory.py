@@ -2,7 +2,7 @@
 
     python dev/probes/ds_sleep_memory.py --model /tmp/q05 --zero-stage 3 --out ds_sleep_z3.json
 
-Builds the actor exactly as the scripts do (common.ds, bf16, DeepSpeed's FusedAdam, which
+Builds the actor exactly as the scripts do (common.training.ds, bf16, DeepSpeed's FusedAdam, which
 `offload_states` needs), runs one training step so every state exists, then offloads one state type
 at a time and records how much `torch.cuda.memory_allocated()` drops, then all of them together.
 After `reload_states` the loss on a fixed batch must equal the loss before the offload, bit for bit.
@@ -23,8 +23,8 @@ def main(model: str = "/tmp/q05", zero_stage: int = 3, micro_batch: int = 8, seq
     import torch
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
-    from common import ds
-    from common.models import load_causal_lm
+    from common.training import ds
+    from common.training.models import load_causal_lm
 
     dist = ds.setup_distributed()
     settings = ds.DSSettings(zero_stage=zero_stage, bf16=True, fused_adam=True, micro_train_batch_size=micro_batch,

@@ -1,6 +1,6 @@
 """One training forward and backward of a Qwen2.5-shaped policy (random weights, bf16, no DeepSpeed) with
 log-probs from the whole logits against log-probs from the last hidden state in chunks
-(`common.logprobs.head_stats`, the RL workers' default on a GPU): peak memory, time, and the gap.
+(`common.algo.logprobs.head_stats`, the RL workers' default on a GPU): peak memory, time, and the gap.
 
     python dev/probes/head_chunk.py --shape 0.5b --rows 64 --seq 290 --out head_chunk.json
 
@@ -23,7 +23,7 @@ def main(shape: str = "0.5b", rows: int = 64, seq: int = 290, chunk: int = 4096,
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from bench.make_model import SHAPES
-    from common.logprobs import chunked_head, head_stats, token_stats
+    from common.algo.logprobs import chunked_head, head_stats, token_stats
 
     torch.manual_seed(0)
     cfg = Qwen2Config(**{"vocab_size": 151936, "tie_word_embeddings": True, **SHAPES[shape]}, max_position_embeddings=4096)

@@ -2,8 +2,8 @@
 
     python dev/probes/ipc_check.py     # prints "ipc with expandable segments: ok" and exits 0, or says what failed
 
-The DeepSpeed workers allocate with PyTorch's expandable_segments (common.ds.use_expandable_segments), and the
-actor hands its weight buckets to a vLLM engine on the same GPU by CUDA IPC (common.weight_sync.share). This
+The DeepSpeed workers allocate with PyTorch's expandable_segments (common.training.ds.use_expandable_segments), and the
+actor hands its weight buckets to a vLLM engine on the same GPU by CUDA IPC (common.rollout.weight_sync.share). This
 shares buckets the way the actor does, several per segment and the same one twice (PyTorch issue 198305: a
 segment's handle differs between calls), to a process without expandable segments, as vLLM's is, which checks
 every value. If it fails, run with HYBRIDRL_EXPANDABLE_SEGMENTS=0.
@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 def _child(handles, expected, q):
     try:
-        from common.weight_sync import open_shared
+        from common.rollout.weight_sync import open_shared
 
         got = [float(open_shared(h).float().sum()) for h in handles]
         q.put(("ok", [abs(g - e) <= 1e-3 * max(1.0, abs(e)) for g, e in zip(got, expected)]))
@@ -31,8 +31,8 @@ def main() -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from common import ds
-    from common.weight_sync import share
+    from common.training import ds
+    from common.rollout.weight_sync import share
 
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     assert ds.use_expandable_segments(), "no GPU here"

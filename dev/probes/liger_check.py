@@ -3,9 +3,9 @@ as the plain one, padded and packed (run on the GPU machine with liger-kernel in
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.liger import apply_liger
-from common.packing import next_token_logprobs
-from common.tiny import tiny_model_path
+from common.training.liger import apply_liger
+from common.algo.packing import next_token_logprobs
+from common.training.tiny import tiny_model_path
 
 path, dev = tiny_model_path(), torch.device("cuda")
 torch.manual_seed(0)

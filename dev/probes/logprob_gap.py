@@ -7,7 +7,7 @@ vLLM (bf16, the scripts' engine settings: its processed log-probs, temperature 1
 `--new_tokens` tokens; then the same rows go through the policy as the trainer runs it, one way at a time:
 - bf16: bf16 weights, padded rows, SDPA (DeepSpeed's bf16 mode, `--bf16`; ZeRO-3 gathers the same weights);
 - bf16 packed: the same, the rows packed into one with a block-diagonal mask (`--packing_samples` without
-  flash-attention, common.packing);
+  flash-attention, common.algo.packing);
 - autocast: fp32 weights under bf16 autocast (`--torch_autocast`);
 - fp32: fp32 weights and math, the reference the others are measured against.
 Each row of the table: mean |trainer - vLLM| over the sampled tokens (what `rollout/logprob_diff` logs), mean
@@ -36,8 +36,8 @@ def main(model: Annotated[str, typer.Option(help="Model folder (bench/make_model
     import torch
     from vllm import LLM, SamplingParams
 
-    from common.logprobs import token_logprobs
-    from common.packing import pack
+    from common.algo.logprobs import token_logprobs
+    from common.algo.packing import pack
 
     torch.manual_seed(0)
     prompts = torch.randint(3, 500, (rows, 13)).tolist()  # the built-in tokenizer's ids (bench models use it)

@@ -2,7 +2,7 @@
 
     python dev/probes/logprob_kernel.py --rows 64 --cols 320 --vocab 151936
 
-Times `common.logprobs.token_stats` forward, and forward + backward, on bf16 logits of the training
+Times `common.algo.logprobs.token_stats` forward, and forward + backward, on bf16 logits of the training
 phase's shape (64 sequences x 320 tokens x Qwen2.5's vocabulary), once with the compiled kernels
 (the GPU default) and once with the eager blocks (HYBRIDRL_FUSED_LOGPROBS=0, the CPU path), with
 peak memory. Then checks on fp32 logits that the two agree within 1e-5 (log-probs, entropy and
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main(rows: int = 64, cols: int = 320, vocab: int = 151936, check_rows: int = 4):
     import torch
 
-    from common import logprobs as L
+    from common.algo import logprobs as L
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)

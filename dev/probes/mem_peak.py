@@ -1,4 +1,4 @@
-"""What a process held on the GPU at its peak, from a memory history (HYBRIDRL_MEMORY_SNAPSHOT, common.gpu_memory).
+"""What a process held on the GPU at its peak, from a memory history (HYBRIDRL_MEMORY_SNAPSHOT, common.cluster.gpu_memory).
 
     HYBRIDRL_MEMORY_SNAPSHOT=/tmp/snap python train_grpo.py ...   # each worker dumps /tmp/snap/{role}-rank{r}.pickle
     python dev/probes/mem_peak.py /tmp/snap/actor-rank0.pickle --top 25

@@ -1,5 +1,5 @@
 """Print the per-script flag tables of docs/openrlhf.md from the checked-in flag lists, our scripts'
-signatures and common/openrlhf_table.py:  python tests/data/make_openrlhf_docs.py
+signatures and common/cli/openrlhf_table.py:  python tests/data/make_openrlhf_docs.py
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from common.openrlhf_table import DEFAULTS, EXTRA  # noqa: E402
+from common.cli.openrlhf_table import DEFAULTS, EXTRA  # noqa: E402
 
 DATA = json.load(open(os.path.join(ROOT, "tests", "data", "openrlhf_flags_76351db1.json")))
 WORD = {"impl": "implemented", "accept": "accepted, no effect", "refuse": "refused"}

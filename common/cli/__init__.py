@@ -1,0 +1,1 @@
+"""The flags; no torch, so --help is instant."""

@@ -1,0 +1,1 @@
+"""Ray actor groups, and what runs where and whether it fits (--dry_run)."""

@@ -1,0 +1,1 @@
+"""Samples, how they are generated, weights to the samplers."""

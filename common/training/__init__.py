@@ -1,0 +1,1 @@
+"""One process's DeepSpeed model and its sleep, checkpoints, the tiny model."""
