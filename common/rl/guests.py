@@ -7,7 +7,7 @@ loads into the trained role's rank of the same index (`ModelWorker.host`): one p
 of two, so one CUDA context, and one caching allocator whose blocks the frozen model's no-grad forward
 reuses after the trained model's activations freed them. The reference of the 3B bench held ~9 GiB in
 a process of its own, 5.75 of them its weights (dev/LOG.md). Training is unchanged: the same
-models run the same forward passes in the same order (tests/test_rl.py compares the two layouts).
+models run the same forward passes in the same order (tests/e2e/test_rl.py compares the two layouts).
 HYBRIDRL_SHARE_PROCESS=0 keeps a process per role (for the bench's comparison).
 
 Which frozen role goes into which trained role's processes is the resource plan's `hosts`

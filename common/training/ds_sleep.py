@@ -6,7 +6,7 @@ ZeRO-3's reduce buckets; the bf16 weights stay (3B: 5.75 of ~46 GiB, moved twice
 With --adam_offload OpenRLHF does not sleep at all (its optimizer is in CPU memory already); ours still sends
 what DeepSpeed keeps on the GPU there (the weights, the gradients, and with --adam_offload_ratio < 1 the GPU
 sub-groups' states stay where DeepSpeed's offload_states leaves them), which is what let a 7B run with the
-reference flags fit one H200 (docs/performance.md). tests/test_memory_plan.py holds both choices.
+reference flags fit one H200 (docs/performance.md). tests/*/test_memory_plan.py holds both choices.
 
 A reload behind the training passes was tried (2026-12-02): the weights and gradient buffers first, the
 fp32 master and Adam moments in a thread on a CUDA stream of its own while the forward and backward ran,

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from tests.helpers import PY, ROOT, env, free_port, metrics
-from tests.test_rl import REFERENCE_PPO
+from tests.e2e.test_rl import REFERENCE_PPO
 
 TAG = "HYBRIDRL_TEST_RUN"  # set in a driver's environment; every Ray process it starts inherits it
 

@@ -16,7 +16,7 @@ from common.data import tasks
 from common.errors import UserError
 from common.rl.rewards import RemoteReward, load_reward_func, score_with_function, validate_scores
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reward_func_copy.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reward_func_copy.py"
 
 PROMPTS = [f"Repeat: {w} cat" for w in ("red", "blue", "green", "sun")]
 LABELS = [p.removeprefix("Repeat: ") for p in PROMPTS]

@@ -46,10 +46,10 @@ def test_engine_gc_timer_counts_collections_once():
     """The engines report their garbage collector's seconds per generate call (time/engine_gc_s)."""
     import gc
 
-    from common.rollout.vllm_engine import _CLOCK, _gc_timer, time_gc
+    from common.rollout.vllm_engine import _CLOCK, _gc_timer, clock_time_gc
 
-    time_gc()
-    time_gc()  # a second engine in the process must not add a second timer
+    clock_time_gc()
+    clock_time_gc()  # a second engine in the process must not add a second timer
     assert sum(cb is _gc_timer for cb in gc.callbacks) == 1
     before = _CLOCK["gc"]
     cycles = []

@@ -23,7 +23,6 @@ import types
 import pytest
 import torch
 
-from tests.helpers import PY, metrics, run, script
 
 MEAN, STD = 0.3125, 1.75  # what OpenRLHF's RM evaluation records; exact in bf16 and fp32
 PAD = 3                   # the tiny tokenizer's pad id
@@ -148,47 +147,6 @@ def test_critic_values_equal_openrlhfs_loader(orl, orl_folder, normalize):
             torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-5)
 
 
-WORKER = r"""
-import sys, torch
-from common.training.ds import DSSettings
-from common.rl.workers import ModelSpec, ModelWorker
-from tests.test_openrlhf_rm import _rows
-
-path, out = sys.argv[1], sys.argv[2]
-ids, mask = _rows(left=False)
-batch = {"input_ids": ids, "attention_mask": mask, "action_mask": (mask[:, :-1] * mask[:, 1:]).float()}
-result = {}
-for role, trainable in (("reward", False), ("critic", True)):
-    w = object.__new__(ModelWorker)
-    w.role = role
-    settings = DSSettings(zero_stage=0, micro_train_batch_size=2, train_batch_size=4)
-    info = w.setup(ModelSpec(path, "value", trainable, settings, normalize_reward=True, value_head_prefix="score",
-                             offload=not trainable,  # --ref_reward_offload: on a CPU only a note
-                             optim=dict(lr=0.0, total_steps=1, warmup_ratio=0.0, scheduler="constant_with_warmup")))
-    result[role] = w.rewards(batch, 2) if role == "reward" else w.values(batch, 2)
-    result[role + "_notes"] = info["notes"]
-torch.save(result, out)
-"""
-
-
-def test_the_ray_workers_load_it_as_reward_and_critic(orl, orl_folder, tmp_path):
-    """ModelSpec carries --value_head_prefix and --normalize_reward to the workers of train_ppo.py /
-    train_grpo.py (here without Ray: the worker class in one process, ZeRO-0)."""
-    path, _ = orl_folder
-    out = str(tmp_path / "worker.pt")
-    run([PY, "-c", WORKER, path, out], timeout=300)
-    got = torch.load(out)
-    ids, mask = _rows(left=False)
-    with torch.no_grad():
-        reward = _load_orl(orl, path, "reward", True)(ids, mask)
-        values = _load_orl(orl, path, "critic", True)(ids, action_mask=(mask[:, :-1] * mask[:, 1:]).float(),
-                                                      attention_mask=mask)
-    torch.testing.assert_close(got["reward"], reward, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["critic"], values, rtol=0, atol=1e-5)
-    assert any("--ref_reward_offload" in n for n in got["reward_notes"])
-    assert not any("--ref_reward_offload" in n for n in got["critic_notes"])
-
-
 def test_a_wrong_head_name_is_one_clear_message(orl_folder, tmp_path):
     """The folder's config names the head; without that record the flag must name it, or the load stops
     (a reward model with a new random head would train on noise)."""
@@ -210,47 +168,3 @@ def test_a_wrong_head_name_is_one_clear_message(orl_folder, tmp_path):
     with pytest.raises(UserError, match=f"no value head named '{wrong}'.*{prefix}.*--value_head_prefix"):
         load_reward_model(str(bare), value_head_prefix=wrong)
     assert load_reward_model(str(bare), value_head_prefix=prefix).config.value_head_prefix == prefix
-
-
-def test_our_reward_model_records_mean_std_and_head_and_loads_in_openrlhf(orl, tmp_path):
-    """train_rm.py records what OpenRLHF's does: the head's name and the last evaluation's reward mean
-    and (unbiased) std over its chosen and rejected responses; OpenRLHF's loader then scores it as ours."""
-    from safetensors import safe_open
-
-    from common.training.models import load_reward_model, load_tokenizer, reward_scores
-    from common.data.preferences import collate_pairs, load_preference_data
-
-    out = str(tmp_path / "rm")
-    script("train_rm.py", "--save_path", out, "--max_steps", "2", "--eval_steps", "2", "--value_head_prefix",
-           "value_head", "--zero_stage", "0")
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    assert cfg["value_head_prefix"] == "value_head" and cfg["normalize_reward"] is False
-    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-    assert "value_head.weight" in keys and "score.weight" not in keys  # saved under OpenRLHF's name
-    logged = [r for r in metrics(out) if "eval/reward_mean" in r][-1]
-    assert (cfg["mean"], cfg["std"]) == (logged["eval/reward_mean"], logged["eval/reward_std"])
-
-    # the statistics, recomputed from the saved model over the held-out pairs
-    tok = load_tokenizer(out)
-    _, _, pairs, _ = load_preference_data(None, None, tok, max_samples=None, chosen_key="chosen",
-                                          rejected_key="rejected", prompt_key=None, apply_chat_template=False,
-                                          max_len=512, margin_key="margin")
-    ours = load_reward_model(out).eval()
-    with torch.no_grad():
-        scores = []
-        for i in range(0, len(pairs), 16):
-            batch = collate_pairs(pairs[i: i + 16], tok.pad_token_id)
-            scores.append(reward_scores(ours, batch["input_ids"], batch["attention_mask"]))
-    scores = torch.cat(scores).double()
-    assert cfg["mean"] == pytest.approx(scores.mean().item(), abs=1e-5)
-    assert cfg["std"] == pytest.approx(scores.std().item(), rel=1e-4)
-
-    # OpenRLHF's loader reads our folder (bf16, as it loads; ours in bf16 too for the same weights)
-    ids, mask = _rows(left=False)
-    for normalize in (False, True):
-        theirs = _load_orl(orl, out, "reward", normalize)
-        mine = load_reward_model(out, dtype=torch.bfloat16, normalize_reward=normalize).float().eval()
-        with torch.no_grad():
-            torch.testing.assert_close(reward_scores(mine, ids, mask), theirs(ids, mask), rtol=0, atol=1e-5)

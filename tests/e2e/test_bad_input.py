@@ -3,12 +3,11 @@ the values click checks while parsing, the output folders, a model that is neith
 fetchable, and the small messages of item 8."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.helpers import metrics, script
+from tests.helpers import script
 
 SCRIPTS = ["train_sft.py", "train_rm.py", "train_dpo.py", "train_ppo.py", "train_grpo.py"]
 

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -187,7 +186,7 @@ def test_hung_reward_server_ends_the_run_with_a_timeout(tmp_path, ray_head):
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        from tests.test_rl import SMALL
+        from tests.e2e.test_rl import SMALL
 
         t0 = time.time()
         p = script("train_grpo.py", "--save_path", str(tmp_path), "--remote_rm_url",
@@ -342,8 +341,8 @@ def test_a_layout_this_machine_cannot_hold_is_refused_before_any_process(tmp_pat
     against 4 per core of the 2 it may use. Refused in seconds with the README's counts, the message a too small
     `ray start` cluster gives, before Ray or any other process starts; its --dry_run starts none either."""
     from common.training.tiny import tiny_model_path
-    from tests.test_newcomer import TAG, _run_processes
-    from tests.test_rl import REFERENCE_GRPO, REFERENCE_PPO
+    from tests.e2e.test_newcomer import TAG, _run_processes
+    from tests.e2e.test_rl import REFERENCE_GRPO, REFERENCE_PPO
 
     model, tag, out = tiny_model_path(), uuid.uuid4().hex, tmp_path / "out"
     e = env() | {"RAY_TMPDIR": ray_tmpdir, TAG: tag}

@@ -7,13 +7,12 @@ import ast
 import json
 import os
 import re
-import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.helpers import ROOT, metrics, script
+from tests.helpers import metrics, script
 
 
 def _fifths(rows, key="rollout/reward_mean"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Lower numbers sit lower: a module may import only from its own folder or from a lower level.
 LEVEL = {"errors": 0, "cpu_threads": 0, "cli": 1, "data": 1, "logger": 1, "training": 2, "algo": 3, "cluster": 4,
          "rollout": 5, "rl": 6}
