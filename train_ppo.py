@@ -28,7 +28,8 @@ from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.rl import checks as rl_checks
 from common.errors import exit_on_user_error, require
-from common.data.prompts import prompt_tail, template_notes
+from common.cli.checks import template_notes
+from common.data.prompts import prompt_tail
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -179,7 +180,7 @@ def main(
             show = MetricsLogger(save_path, 0, files=False)  # a dry run writes nothing
             show.table("resource plan", plan_rows(plan))
             show.info(plan_summary(plan))
-            memory_plan.preflight(a, "ppo", plan, log=show)  # each process's GPU memory per phase
+            memory_plan.preflight(memory_plan.from_options(a, "ppo", plan), log=show)  # each process's GPU memory per phase
             return
         train(a, plan, derived)
 

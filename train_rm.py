@@ -28,7 +28,7 @@ import typer
 from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.data.prompts import template_notes
+from common.cli.checks import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -126,9 +126,10 @@ def train(a: o.Options) -> None:
     torch.manual_seed(a.seed)
     dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
     attn, attn_note = attn_implementation(a.flash_attn)
-    settings = ds.settings_from(a, bf16=dtype == torch.bfloat16)
+    settings = ds.DSSettings.from_options(a, bf16=dtype == torch.bfloat16)
     accum = ds.grad_accumulation(settings, dist.world_size)
-    memory = memory_plan.preflight(a, "rm", world_size=dist.world_size)  # refused here if it cannot fit the GPU
+    # refused here if it cannot fit the GPU
+    memory = memory_plan.preflight(memory_plan.from_options(a, "rm", world_size=dist.world_size))
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given
     pretrain = resolve_pretrain(a.pretrain)

@@ -36,7 +36,7 @@ import typer
 from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.data.prompts import template_notes
+from common.cli.checks import template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -143,7 +143,7 @@ def train(a: o.Options) -> None:
     dtype, dtype_note = ds.resolve_dtype(a.bf16, dist.device)
     attn, attn_note = attn_implementation(a.flash_attn)
     flash = attn == "flash_attention_2"
-    settings = ds.settings_from(a, bf16=dtype == torch.bfloat16)
+    settings = ds.DSSettings.from_options(a, bf16=dtype == torch.bfloat16)
     accum = ds.grad_accumulation(settings, dist.world_size)
 
     # ---- data: the built-in copy task (chat messages) unless --dataset is given

@@ -48,50 +48,17 @@ def exit_on_user_error():
         sys.exit(e.code if os.environ.get("RANK", "0") == "0" else 0)
 
 
-def check_output_folders(a: dict) -> None:
-    """--save_path, --ckpt_path and --use_tensorboard must be folders this process can create or write, and
-    --save_path must not hold another run: a second run there is refused (it would overwrite that run's
-    metrics and model), unless --load_checkpoint continues that run. Refused, not moved to a new folder:
-    the next stage of a pipeline reads the model from the path it was given."""
-    import os
-
-    save = a.get("save_path")
-    found = run_outputs(save) if save and not dry_run_only(a) and not a.get("load_checkpoint") else []
-    if found:
-        try:
-            import json
-
-            with open(os.path.join(save, "config.json")) as f:
-                cfg = json.load(f).get("hybridrl", {})
-            by = f" of {cfg['script']}" if cfg.get("script") else ""
-        except (OSError, ValueError, AttributeError):
-            by = ""
-        raise UserError(f"--save_path {save} already holds a run{by} ({', '.join(found)}), which this one would "
-                        "overwrite: give another --save_path, add --load_checkpoint to continue that run from its "
-                        "newest checkpoint, or remove the folder")
-    for flag in ("save_path", "ckpt_path", "use_tensorboard"):
-        path = a.get(flag)
-        if not path or dry_run_only(a):
-            continue
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UserError(f"--{flag} {path}: a file is there, and this is where the run's folder goes; "
-                            "give another path or move the file")
-        parent = path
-        while parent and not os.path.exists(parent):  # the nearest folder that exists gets the new ones
-            parent = os.path.dirname(parent.rstrip("/")) or "."
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"--{flag} {path}: {os.path.abspath(parent)} cannot be written by this user; give a "
-                            "folder you can write")
-
-
-def dry_run_only(a: dict) -> bool:
-    return bool(a.get("dry_run"))  # a dry run writes nothing
-
-
 def require(cond: bool, message: str) -> None:
     """Raise `UserError(message)` unless `cond` holds (flag checks at the top of a script)."""
     if not cond:
         raise UserError(message)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line of at most ~300 characters, its type first, for a message to the user."""
+    text = " ".join(str(e).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def run_outputs(path: str) -> list[str]:

@@ -234,7 +234,7 @@ class MetricsLogger:
         if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
             raise UserError(f"tensorboard logging to {tensorboard_dir} needs tensorboard: pip install tensorboard")
 
-        # What this run does to the folder (common.errors.check_output_folders refused a second run there
+        # What this run does to the folder (common.cli.checks.check_output_folders refused a second run there
         # before any model loaded, unless --load_checkpoint continues the first)
         earlier = run_outputs(str(self.save_path))
         self._folder["output"] = f"{self.save_path}: " + (

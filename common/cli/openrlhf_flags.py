@@ -106,7 +106,7 @@ def openrlhf_flags(script: str):
                 ours = {n: kw[n] for n in declared}
                 _current = translate(ours, {n: kw[n] for n in extras}, given, extras,
                                      {n: declared[n].default for n in defaults if n in declared}, defaults)
-                from common.errors import check_output_folders
+                from common.cli.checks import check_output_folders
 
                 check_output_folders(ours)  # every script's main runs through here: checked before torch loads
             return main(**ours)

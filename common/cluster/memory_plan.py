@@ -30,7 +30,7 @@ REFERENCE_GPU = 81559 * 2**20
 REFERENCE_NAME = "80 GB GPU (A100/H100 80GB: 79.6 GiB, the size OpenRLHF's 8-GPU commands are documented on)"
 
 
-def _job(a: dict, script: str, plan, world: int) -> Job:
+def _job_from_options(a: dict, script: str, plan, world: int) -> Job:
     bf16 = bool(a.get("bf16"))
     flags = dict(zero_stage=a["zero_stage"], bf16=bf16, autocast=bf16 and bool(a.get("torch_autocast")),
                  adam_offload=a["adam_offload"], checkpointing=a["gradient_checkpointing"],
@@ -74,7 +74,7 @@ def from_options(a: dict, script: str, plan=None, world_size: int = 1, gpu_bytes
     """The plan of a script's options. script: "dpo", "rm" (`world_size` ranks), else an RL script with its
     resource plan `plan`. seq: the longest sequence in tokens, if known (default: the flags' longest)."""
     try:
-        job = _job(a, script, plan, world_size)
+        job = _job_from_options(a, script, plan, world_size)
         return plan_memory(replace(job, seq=min(seq, job.seq)) if seq else job, gpu_bytes)
     except _NoPlan as e:
         return MemoryPlan([], gpu_bytes, None, str(e))
@@ -265,15 +265,14 @@ def show(log, mp: MemoryPlan) -> None:
         log.warn_once("memory plan", str(e))
 
 
-def preflight(a: dict, script: str, plan=None, world_size: int = 1, log=None, seq: int | None = None) -> MemoryPlan:
-    """What the scripts call before loading a model: the plan of their options (see `from_options`), on
-    this machine's GPU. With `log` (a dry run): shown there, a misfit as a warning; without: a layout
-    that cannot fit the GPU raises UserError naming the flags that would make it fit."""
-    mp = from_options(a, script, plan, world_size, visible_gpu_bytes(), seq)
+def preflight(mp: MemoryPlan, log=None) -> MemoryPlan:
+    """What the scripts call before loading a model, with the plan of their options (`from_options`): the
+    plan on this machine's GPU. With `log` (a dry run): shown there, a misfit as a warning; without: a
+    layout that cannot fit the GPU raises UserError naming the flags that would make it fit."""
+    if mp.job is not None:
+        mp = plan_memory(mp.job, visible_gpu_bytes())
     if log is not None:
         show(log, mp)
     else:
         check_memory(mp)
     return mp
-
-

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 
 @dataclass(frozen=True)
@@ -125,41 +125,6 @@ def fill_template(template: str | None, prompt: str) -> str:
     return prompt if template is None else template.format(prompt)
 
 
-def template_notes(a: dict, prompt_flag: str | None = None) -> list[str]:
-    """Check --input_template and --tokenizer_chat_template (a script's parsed options); notes for the banner.
-
-    OpenRLHF drops a template without '{}' and ignores both flags where they do not apply, with a
-    printed warning at most; here each of those is an error naming the flag. `prompt_flag`: the
-    flag that names the prompt column (RM/DPO's --prompt_key), the template's only target there.
-    """
-    t, chat, builtin = a.get("input_template"), a["apply_chat_template"], a.get("dataset", a.get("prompt_data")) is None
-    notes = []
-    if t is not None:
-        if builtin:
-            raise UserError("--input_template: the built-in task's prompts are chat messages; give your data too")
-        if "{}" not in t:
-            raise UserError(f"--input_template {t!r} has no '{{}}' where the prompt goes; add it")
-        try:
-            t.format("")
-        except (IndexError, KeyError, ValueError) as e:
-            raise UserError(f"--input_template {t!r}: not a str.format template with one '{{}}' ({one_line(e)}); "
-                            "write other braces as '{{' and '}}'") from None
-        if chat:
-            raise UserError("--input_template wraps plain-text prompts; with --apply_chat_template the chat "
-                            "template renders them (OpenRLHF then ignores --input_template): drop one of the two")
-        if prompt_flag and a.get(prompt_flag.lstrip("-")) is None:
-            raise UserError(f"--input_template wraps the prompt column: set {prompt_flag} (without it the rows' "
-                            "texts are whole and OpenRLHF ignores the template)")
-        if "\\n" in t:
-            notes.append("--input_template holds a backslash and an 'n', not a newline (kept as given); in bash "
-                         "write $'Q: {}\\nA: ' for a newline")
-    ct = a.get("tokenizer_chat_template")
-    if ct is not None and not (chat or builtin):
-        raise UserError("--tokenizer_chat_template replaces the template that --apply_chat_template uses: add "
-                        "--apply_chat_template, or drop the flag")
-    return notes
-
-
 def set_chat_template(tokenizer, template: str | None) -> None:
     """--tokenizer_chat_template: the Jinja template replaces the tokenizer's (and is saved with it)."""
     if template is None:
@@ -200,12 +165,6 @@ def user_turn(prompt: str | list[dict]) -> list[dict]:
 def needs_template(key: str, where: str) -> UserError:
     return UserError(f"{where}: '{key}' is a list of chat messages; add --apply_chat_template so "
                      "the tokenizer's chat template turns it into text")
-
-
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def type_name(value: Any) -> str:

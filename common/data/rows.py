@@ -17,7 +17,8 @@ import random
 from typing import Any, Iterator
 
 from common.errors import UserError
-from common.data.prompts import PromptExample, build_prompts, keys_of, one_line, type_name
+from common.data.prompts import PromptExample, build_prompts, keys_of, type_name
+from common.errors import one_line
 
 __all__ = ["load_rows", "PromptExample", "build_prompts", "epoch_order", "iterate_batches"]
 

@@ -80,14 +80,15 @@ class RLRun:
         self.score_text = text_scorer(a)  # None: the reward model's workers score
         # a layout that cannot fit the GPU stops here, before Ray and the models (common/cluster/memory_plan.py)
         self.longest_prompt = max(len(p.prompt_ids) for p in self.prompts)
-        self.memory = memory_plan.preflight(a, "rl", plan, seq=self.longest_prompt + a["generate_max_len"])
+        longest = self.longest_prompt + a["generate_max_len"]
+        self.memory = memory_plan.preflight(memory_plan.from_options(a, "rl", plan, seq=longest))
 
         self.roles = {r.role: r for r in plan.roles}
         # --vllm_sync_backend against the placement: refused here, before Ray and the models load
         self.transport = choose_transport(a["vllm_sync_backend"], use_gpu=plan.use_gpu,
                                           colocated=plan.vllm_group == self.roles["actor"].group) \
             if a["vllm_num_engines"] else None
-        self.settings = ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
+        self.settings = ds.DSSettings.from_options(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
         for role in ("actor", "critic"):  # refused here, not after the models have loaded
             if role in self.roles:
                 ds.grad_accumulation(self.settings, self.roles[role].workers)
@@ -148,7 +149,7 @@ class RLRun:
         from common.cluster.resources import plan_rows, plan_summary
         from common.rl.eval import BestCheckpoint
         from common.rollout.samples import generation_note, positions_note
-        from common.rollout.vllm_engine import start_script_engines
+        from common.rollout.vllm_engine import EngineSpec, start_placed
         from common.rollout.weight_sync import WeightSync
         from common.rl.workers import ModelWorker
 
@@ -168,12 +169,14 @@ class RLRun:
         # 2026-12-03). On a shared GPU the engines start first, asleep under --vllm_enable_sleep while the
         # models load (OpenRLHF's order); on their own GPUs, or on CPU, they start while the models load.
         first = plan.use_gpu and plan.vllm_group in {self.roles[r].group for r in specs}
+        n_engines = a["vllm_num_engines"]
+        engine_spec = EngineSpec.from_options(a, plan, self.pretrain) if n_engines else None
         if first:
-            self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)
+            self.engines = start_placed(n_engines, engine_spec, plan, self.pgs, self.actor)
             self.vllm_sleep("sleep", a["vllm_sleep_level"])
         pending = [group.async_call(*args) for group, *args in calls]
         if not first:
-            self.engines = start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)
+            self.engines = start_placed(n_engines, engine_spec, plan, self.pgs, self.actor)
         infos = [get(p, 1800, "model setup") for p in pending]
         if self.engines:
             self.sync = WeightSync(self.actor, self.engines, transport=self.transport, bucket_mb=a["vllm_sync_bucket_mb"],

@@ -113,6 +113,21 @@ class EngineSpec:
     # (GPU; HYBRIDRL_VLLM_WARMUP=0 declines).
     warmup: bool = False
 
+    @classmethod
+    def from_options(cls, a, plan, pretrain: str) -> EngineSpec:
+        """The engines of an RL script's options (--vllm_tensor_parallel_size, --vllm_gpu_memory_utilization,
+        --enable_prefix_caching, ...) for the model at `pretrain`, on the devices of the resource plan `plan`."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(pretrain)
+        return cls(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
+                   max_model_len=min(a["prompt_max_len"] + a["generate_max_len"], config.max_position_embeddings),
+                   gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
+                   enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
+                   enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
+                   tensor_parallel_size=a["vllm_tensor_parallel_size"],
+                   model_runner_v2=plan.use_gpu and runner_v2_suits(config), warmup=plan.use_gpu)
+
 
 # dense decoder-only architectures that take the same vLLM code path as the measured Qwen2
 RUNNER_V2 = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
@@ -324,26 +339,16 @@ def start_engines(num: int, spec: EngineSpec, pg, gpu_fraction: float, cpu_fract
     return engines
 
 
-def start_script_engines(a: dict, plan, pgs: dict, actor_group, pretrain: str) -> list:
-    """The RL scripts' engines from their shared flags (--vllm_num_engines, --vllm_tensor_parallel_size,
-    --vllm_gpu_memory_utilization, ...), placed as `plan` says: on the actor's GPUs or on their own."""
-    if not a["vllm_num_engines"]:
+def start_placed(num: int, spec: EngineSpec, plan, pgs: dict, actor_group) -> list:
+    """The RL scripts' `num` engines, placed as `plan` (common.cluster.resources) says: on the actor's GPUs
+    (sharing `actor_group`'s bundles) or in their own placement group. None (num 0): no engines."""
+    if not num:
         return []
-    from transformers import AutoConfig
-
-    tp = a["vllm_tensor_parallel_size"]
-    config = AutoConfig.from_pretrained(pretrain)
-    max_len = min(a["prompt_max_len"] + a["generate_max_len"], config.max_position_embeddings)
-    spec = EngineSpec(pretrain, dtype=("bfloat16" if a["bf16"] else "auto") if plan.use_gpu else "float32",
-                      max_model_len=max_len, gpu_memory_utilization=a["vllm_gpu_memory_utilization"],
-                      enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
-                      enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
-                      tensor_parallel_size=tp, model_runner_v2=plan.use_gpu and runner_v2_suits(config),
-                      warmup=plan.use_gpu)
     actor = plan.role("actor")
     shared = plan.vllm_group == actor.group
-    return start_engines(a["vllm_num_engines"], spec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,
-                         actor.cpu_fraction if shared else tp, shared_with=actor_group if shared else None)
+    return start_engines(num, spec, pgs[plan.vllm_group], plan.vllm_gpu_fraction,
+                         actor.cpu_fraction if shared else spec.tensor_parallel_size,
+                         shared_with=actor_group if shared else None)
 
 
 def generate_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, seed: int, timeout_s: float):

@@ -35,7 +35,7 @@ class DSSettings:
     # no flat master/gradient copies, norms and softmax in fp32: faster on one GPU (dev/LOG.md).
     autocast: bool = False
     compile: bool = False  # torch.compile each transformer block (common.training.models.compile_layers)
-    # OpenRLHF's DeepSpeed flags (ds_keys below): --zpg, --overlap_comm, --grad_accum_dtype,
+    # OpenRLHF's DeepSpeed flags (from_options below): --zpg, --overlap_comm, --grad_accum_dtype,
     # --gradient_checkpointing_use_reentrant, --full_determinism.
     zpg: int = 1
     overlap_comm: bool = False
@@ -43,15 +43,17 @@ class DSSettings:
     reentrant: bool = False
     deterministic: bool = False
 
-
-def settings_from(a, bf16: bool, **more) -> DSSettings:
-    """A script's DeepSpeed options as DSSettings; `a`: its options (a mapping of flag names to values)."""
-
-    return DSSettings(zero_stage=a["zero_stage"], bf16=bf16, adam_offload=a["adam_offload"],
-                      adam_offload_ratio=a["adam_offload_ratio"], gradient_checkpointing=a["gradient_checkpointing"],
-                      max_norm=a["max_norm"], micro_train_batch_size=a["micro_train_batch_size"],
-                      train_batch_size=a["train_batch_size"], autocast=a["torch_autocast"], compile=a["torch_compile"],
-                      **ds_keys(a), **more)
+    @classmethod
+    def from_options(cls, a, bf16: bool, **more) -> DSSettings:
+        """A script's DeepSpeed options (`a`: flag names to values); `bf16`: the dtype resolved on this device."""
+        return cls(zero_stage=a["zero_stage"], bf16=bf16, adam_offload=a["adam_offload"],
+                   adam_offload_ratio=a["adam_offload_ratio"], gradient_checkpointing=a["gradient_checkpointing"],
+                   max_norm=a["max_norm"], micro_train_batch_size=a["micro_train_batch_size"],
+                   train_batch_size=a["train_batch_size"], autocast=a["torch_autocast"], compile=a["torch_compile"],
+                   zpg=a.get("zpg") or 1, overlap_comm=bool(a.get("overlap_comm")),
+                   grad_accum_dtype=a.get("grad_accum_dtype"),
+                   reentrant=bool(a.get("gradient_checkpointing_use_reentrant")),
+                   deterministic=bool(a.get("full_determinism")), **more)
 
 
 def resolve_dtype(bf16: bool, device: torch.device) -> tuple[torch.dtype, str | None]:
@@ -310,11 +312,3 @@ def save_hf(model, tokenizer, path: str, rank: int, dtype: torch.dtype | None = 
             tokenizer.save_pretrained(path)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def ds_keys(a: dict) -> dict:
-    """OpenRLHF's DeepSpeed flags, as `common.training.ds.DSSettings` fields."""
-    return dict(zpg=a.get("zpg") or 1, overlap_comm=bool(a.get("overlap_comm")),
-                grad_accum_dtype=a.get("grad_accum_dtype"),
-                reentrant=bool(a.get("gradient_checkpointing_use_reentrant")),
-                deterministic=bool(a.get("full_determinism")))

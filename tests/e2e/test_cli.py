@@ -115,7 +115,7 @@ def test_a_second_run_into_a_run_folder_is_refused_unless_it_continues_that_run(
     (writes nothing) pass the check, as does a folder an earlier run left with nothing logged."""
     import json
 
-    from common.errors import check_output_folders
+    from common.cli.checks import check_output_folders
 
     out = tmp_path / "run"
     out.mkdir()

@@ -154,14 +154,14 @@ def test_input_template_renders_the_prompt(tok):
     (dict(tokenizer_chat_template="{{ x }}"), "add --apply_chat_template"),
 ])
 def test_template_flags_refuse_what_openrlhf_drops_or_ignores(opts, expect):
-    from common.data.prompts import template_notes
+    from common.cli.checks import template_notes
 
     a = {"dataset": "d.jsonl", "apply_chat_template": False, "prompt_key": "prompt", **opts}
     assert expect in user_error(template_notes, a, "--prompt_key")
 
 
 def test_template_with_a_backslash_n_is_kept_and_noted():
-    from common.data.prompts import template_notes
+    from common.cli.checks import template_notes
 
     notes = template_notes({"prompt_data": "d.jsonl", "apply_chat_template": False, "input_template": "Q: {}\\nA:"})
     assert len(notes) == 1 and "not a newline" in notes[0]

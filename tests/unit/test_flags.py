@@ -192,15 +192,15 @@ FLAGS["train_grpo"] = {
 
 # The call in the scripts that each view repeats; "{script}" is the script's own file.
 VIEW_CALLS = {
-    "ds": {"rl": ("common/rl/run.py", 'ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])'),
-           "other": ("{script}", "ds.settings_from(a, bf16=dtype == torch.bfloat16)")},
+    "ds": {"rl": ("common/rl/run.py", 'ds.DSSettings.from_options(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])'),
+           "other": ("{script}", "ds.DSSettings.from_options(a, bf16=dtype == torch.bfloat16)")},
     "attn": ("{script}", "attn_implementation(a.flash_attn)"),
-    "memory": {"rl": ("common/rl/run.py", 'memory_plan.preflight(a, "rl", plan'),
-               "train_rm": ("{script}", 'memory_plan.preflight(a, "rm"'),
-               "train_dpo": ("{script}", 'memory_plan.preflight(a, "dpo"')},
+    "memory": {"rl": ("common/rl/run.py", 'memory_plan.from_options(a, "rl", plan'),
+               "train_rm": ("{script}", 'memory_plan.from_options(a, "rm"'),
+               "train_dpo": ("{script}", 'memory_plan.from_options(a, "dpo"')},
     "plan": ("{script}", "plan = resource_plan(a)"),
     "specs": ("{script}", "specs = run.policy_specs()"),
-    "engine": ("common/rl/run.py", "start_script_engines(a, plan, self.pgs, self.actor, self.pretrain)"),
+    "engine": ("common/rl/run.py", "EngineSpec.from_options(a, plan, self.pretrain)"),
     "prompts": ("common/rl/run.py", "load_prompts(a, self.tokenizer)"),
     "options": None, "dry_run": None,
 }
@@ -278,7 +278,7 @@ def _rl_shell(r: Run):
     plan = r.rest[0]
     run.a, run.plan, run.pretrain = r.a, plan, resolve_pretrain(r.a["pretrain"])
     run.roles = {role.role: role for role in plan.roles}
-    run.settings = ds.settings_from(r.a, bf16=r.a["bf16"], fused_adam=r.a["deepspeed_enable_sleep"])
+    run.settings = ds.DSSettings.from_options(r.a, bf16=r.a["bf16"], fused_adam=r.a["deepspeed_enable_sleep"])
     run.total_steps = run.optim_steps = 1
     return run
 
@@ -296,9 +296,9 @@ def view(name: str, r: Run, flag: str, monkeypatch):
         from common.training import ds
 
         if r.script in RL:
-            return ds.settings_from(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
+            return ds.DSSettings.from_options(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
         dtype, _ = ds.resolve_dtype(a["bf16"], torch.device("cuda"))  # a CPU without native bf16 says it runs fp32
-        return ds.settings_from(a, bf16=dtype == torch.bfloat16)
+        return ds.DSSettings.from_options(a, bf16=dtype == torch.bfloat16)
     if name == "attn":
         from common.training.models import attn_implementation
 
@@ -317,9 +317,7 @@ def view(name: str, r: Run, flag: str, monkeypatch):
     if name == "engine":
         from common.rollout import vllm_engine
 
-        plan = r.rest[0]
-        monkeypatch.setattr(vllm_engine, "start_engines", lambda num, spec, *rest, **kw: [spec])  # Ray's actors: not here
-        return vllm_engine.start_script_engines(a, plan, {plan.vllm_group: None}, None, _rl_shell(r).pretrain)
+        return vllm_engine.EngineSpec.from_options(a, r.rest[0], _rl_shell(r).pretrain) if a["vllm_num_engines"] else None
     if name == "prompts":
         from common.training.models import load_tokenizer
         from common.rl.eval import load_prompts

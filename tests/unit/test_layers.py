@@ -66,3 +66,20 @@ def test_the_walk_sees_an_import_inside_a_function(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from common.rl.run import RLRun\n    import torch\n")
     assert list(_imports(f)) == [(2, "common.rl.run.RLRun"), (2, "common.rl.run"), (3, "torch")]
+
+
+def test_options_stop_high():
+    """The options bag (a script's parsed flags, passed as `a` or `options`) is read in cli/ and rl/; below them
+    a function takes it only to build typed settings, and is then named `from_options` (DSSettings,
+    EngineSpec, the memory plan): so a flag's walk from a script ends in a few files."""
+    high = {"cli", "rl"}
+    found = []
+    for path in sorted((ROOT / "common").rglob("*.py")):
+        if _folder(path.relative_to(ROOT / "common")) in high:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = {x.arg for x in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+                if names & {"a", "options", "opts"} and not node.name.endswith("from_options"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not found, found
