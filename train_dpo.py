@@ -28,12 +28,12 @@ import typer
 from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.cli.checks import template_notes
+from common.cli.checks import check_lora, template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-@app.command(help=__doc__.split("\n\n")[0])
+@app.command(help=__doc__.split("\n\n")[0], cls=orl.Command)
 @orl.openrlhf_flags("train_dpo")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
@@ -43,6 +43,11 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    lora_rank: o.LoraRank = 0,
+    lora_alpha: o.LoraAlpha = 16,
+    target_modules: o.TargetModules = None,
+    lora_dropout: o.LoraDropout = 0.0,
+    load_in_4bit: o.LoadIn4bit = False,
     use_liger_kernel: o.UseLigerKernel = False,
     dataset: o.Dataset = None,
     dataset_probs: o.DatasetProbs = None,
@@ -94,6 +99,10 @@ def main(
 ):
     options = orl.options(locals())
     with exit_on_user_error():
+        check_lora(options)
+        require(not (lora_rank and (ref_pretrain or ref_offload)), f"--{'ref_pretrain' if ref_pretrain else 'ref_offload'} "
+                "with --lora_rank: the reference is the policy with its adapter switched off, so there is no "
+                "reference model to load or offload; drop it")
         require(beta > 0, f"--beta {beta}: must be > 0 (it scales the implicit reward)")
         require(not (ipo and label_smoothing > 0), "--ipo and --label_smoothing: IPO has no label smoothing; drop one")
         template_notes(options, "--prompt_key")
@@ -119,6 +128,7 @@ def train(a: o.Options) -> None:
     from common.data.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
     from common.algo.losses import dpo_loss, nll_loss, sequence_logprobs
+    from common.training.lora import LoraSettings, adapter_disabled, apply_lora, quantization
     from common.training.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
@@ -148,12 +158,15 @@ def train(a: o.Options) -> None:
     # ---- models: the policy (trained) and the reference (frozen)
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
-    policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
+    lora = LoraSettings.from_options(a)
+    policy = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn, **quantization(lora, dist.device))
     notes = template_notes(a, "--prompt_key") + [max_len_note(policy.config, a.max_len)]
     if a.use_liger_kernel:  # the policy only, as OpenRLHF
         from common.training.liger import apply_liger
 
         notes.append(apply_liger(policy, dist.device))
+    # with --lora_rank the reference is the policy with its adapter off: no second model below
+    lora_note = apply_lora(policy, lora) if lora.on else None
     engine = ds.initialize(policy, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
                            warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
                            betas=a.adam_betas, weight_decay=a.l2, min_lr_ratio=a.min_lr_ratio)
@@ -164,8 +177,9 @@ def train(a: o.Options) -> None:
     if a.ref_offload and not offload:
         notes.append("--ref_offload: on the CPU the reference is in CPU memory anyway")
     _keep = ds.zero3_loading(ds.eval_config(settings, dtype, offload))  # noqa: F841
-    reference = ds.initialize_eval(load_causal_lm(resolve_pretrain(a.ref_pretrain or a.pretrain), dtype=dtype,
-                                                  attn_impl=attn), settings, dtype, dist.device, offload=offload)
+    reference = None if lora.on else ds.initialize_eval(load_causal_lm(
+        resolve_pretrain(a.ref_pretrain or a.pretrain), dtype=dtype, attn_impl=attn), settings, dtype, dist.device,
+        offload=offload)
 
     # ---- resume
     ckpt_root = a.ckpt_path or os.path.join(a.save_path, "checkpoints")
@@ -181,7 +195,8 @@ def train(a: o.Options) -> None:
                         plot_keys=("train/loss", "train/reward_acc", "train/reward_margin", "eval/reward_acc"),
                         title="DPO", start_step=state["step"] + 1, append=bool(resume_from))
     log.banner("hybridrl train_dpo", {
-        "run": {"model": pretrain, "loss": "IPO" if a.ipo else f"DPO (beta {a.beta}, label smoothing {a.label_smoothing})",
+        "run": {"model": pretrain, **({"LoRA": f"{lora_note}; the reference is the base, adapter off"} if lora_note else {}),
+                "loss": "IPO" if a.ipo else f"DPO (beta {a.beta}, label smoothing {a.label_smoothing})",
                 "data": f"{train_src} ({len(train_pairs)} pairs)",
                 "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
@@ -203,6 +218,9 @@ def train(a: o.Options) -> None:
         return sequence_logprobs(token_lp, batch["loss_mask"][:, 1:], average=a.ipo), token_lp
 
     def ref_logps(batch) -> torch.Tensor:
+        if reference is None:  # --lora_rank: the base model is the reference
+            with torch.no_grad(), adapter_disabled(engine):
+                return logps(engine, batch)[0]
         if move_ref:
             reference.to(dist.device)
         try:

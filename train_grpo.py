@@ -29,14 +29,14 @@ from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.rl import checks as rl_checks
 from common.errors import exit_on_user_error, require
-from common.cli.checks import template_notes
+from common.cli.checks import check_lora, template_notes
 from common.data.prompts import prompt_tail
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
-@app.command(help=__doc__.split("\n\n")[0])
+@app.command(help=__doc__.split("\n\n")[0], cls=orl.Command)
 @orl.openrlhf_flags("train_grpo")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
@@ -51,6 +51,11 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    lora_rank: o.LoraRank = 0,
+    lora_alpha: o.LoraAlpha = 16,
+    target_modules: o.TargetModules = None,
+    lora_dropout: o.LoraDropout = 0.0,
+    load_in_4bit: o.LoadIn4bit = False,
     use_liger_kernel: o.UseLigerKernel = False,
     prompt_data: o.PromptData = None,
     prompt_data_probs: o.PromptDataProbs = None,
@@ -159,6 +164,7 @@ def main(
 ):
     a = orl.options(locals())
     with exit_on_user_error():
+        check_lora(a)
         derived = rl_checks.derived_defaults(a, GROUP_ESTIMATORS)  # defaults that follow from other flags
         a = o.typed(a, main, "GRPOOptions")  # a misspelt option is an AttributeError, not a silent None
         check_options(a)
@@ -200,7 +206,8 @@ def resource_plan(a: o.Options):
     use_gpu = a.dry_run or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and shutil.which("nvidia-smi"))
     return plan_resources(
         actor=(a.actor_num_nodes, a.actor_num_gpus_per_node), critic=None,
-        ref=(a.ref_num_nodes, a.ref_num_gpus_per_node) if a.init_kl_coef > 0 else None,
+        # with --lora_rank the reference is the actor's base model (its adapter off), in the actor's processes
+        ref=(a.ref_num_nodes, a.ref_num_gpus_per_node) if a.init_kl_coef > 0 and not a.lora_rank else None,
         reward=(a.reward_num_nodes, a.reward_num_gpus_per_node) if a.reward_pretrain else None,
         vllm_num_engines=a.vllm_num_engines, vllm_tp=a.vllm_tensor_parallel_size,
         colocate_actor_ref=a.colocate_actor_ref, colocate_critic_reward=False,

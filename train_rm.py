@@ -28,12 +28,12 @@ import typer
 from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.cli.checks import template_notes
+from common.cli.checks import check_lora, template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-@app.command(help=__doc__.split("\n\n")[0])
+@app.command(help=__doc__.split("\n\n")[0], cls=orl.Command)
 @orl.openrlhf_flags("train_rm")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
@@ -43,6 +43,11 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    lora_rank: o.LoraRank = 0,
+    lora_alpha: o.LoraAlpha = 16,
+    target_modules: o.TargetModules = None,
+    lora_dropout: o.LoraDropout = 0.0,
+    load_in_4bit: o.LoadIn4bit = False,
     dataset: o.Dataset = None,
     dataset_probs: o.DatasetProbs = None,
     dataset_split: o.DatasetSplit = "train",
@@ -91,6 +96,7 @@ def main(
 ):
     options = orl.options(locals())
     with exit_on_user_error():
+        check_lora(options)
         require(loss in ("sigmoid", "logexp"), f"--loss {loss}: choose sigmoid or logexp")
         require(not (margin_loss and loss == "logexp"), "--margin_loss adds the margins to the sigmoid loss; "
                 "--loss logexp has no margin term (OpenRLHF ignores them there): drop one of the two")
@@ -120,6 +126,7 @@ def train(a: o.Options) -> None:
     from common.data.prompts import set_chat_template
     from common.logger import MetricsLogger, git_commit, versions
     from common.algo.losses import bradley_terry_loss, log_exp_loss
+    from common.training.lora import LoraSettings, apply_lora, quantization
     from common.training.models import attn_implementation, load_reward_model, load_tokenizer, max_len_note, resolve_pretrain
 
     dist = ds.setup_distributed()
@@ -153,8 +160,11 @@ def train(a: o.Options) -> None:
     # ---- model
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
+    lora = LoraSettings.from_options(a)
     model = load_reward_model(pretrain, dtype=torch.float32, attn_impl=attn, pad_token_id=tokenizer.pad_token_id,
-                              value_head_prefix=a.value_head_prefix)
+                              value_head_prefix=a.value_head_prefix, **quantization(lora, dist.device))
+    # with --lora_rank the value head trains in full beside the adapter and is saved with it
+    lora_note = apply_lora(model, lora, head="score") if lora.on else None
     engine = ds.initialize(model, settings, dist, dtype, lr=a.learning_rate, total_steps=total_steps,
                            warmup_ratio=a.lr_warmup_ratio, scheduler=a.lr_scheduler,
                            betas=a.adam_betas, weight_decay=a.l2)
@@ -172,7 +182,8 @@ def train(a: o.Options) -> None:
                         tensorboard_dir=a.use_tensorboard, plot_keys=("train/loss", "train/acc", "eval/acc"),
                         title="reward model", start_step=state["step"] + 1, append=bool(resume_from))
     log.banner("hybridrl train_rm", {
-        "run": {"model": pretrain, "data": f"{train_src} ({len(train_pairs)} pairs)",
+        "run": {"model": pretrain, **({"LoRA": lora_note} if lora_note else {}),
+                "data": f"{train_src} ({len(train_pairs)} pairs)",
                 "eval": f"{eval_src} ({len(eval_pairs)} pairs)" if eval_pairs else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),
                 "zero stage": a.zero_stage, "batch": f"{B} = {a.micro_train_batch_size} x {accum} accum x {dist.world_size} ranks",

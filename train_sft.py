@@ -36,12 +36,12 @@ import typer
 from common.cli import openrlhf_flags as orl
 from common.cli import options as o
 from common.errors import TrainingError, UserError, exit_on_user_error, require
-from common.cli.checks import template_notes
+from common.cli.checks import check_lora, template_notes
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-@app.command(help=__doc__.split("\n\n")[0])
+@app.command(help=__doc__.split("\n\n")[0], cls=orl.Command)
 @orl.openrlhf_flags("train_sft")  # OpenRLHF's other flags, and its defaults with --pretrain
 def main(
     pretrain: o.Pretrain = None,
@@ -50,6 +50,11 @@ def main(
     torch_compile: o.TorchCompile = False,
     flash_attn: o.FlashAttn = False,
     gradient_checkpointing: o.GradCkpt = False,
+    lora_rank: o.LoraRank = 0,
+    lora_alpha: o.LoraAlpha = 16,
+    target_modules: o.TargetModules = None,
+    lora_dropout: o.LoraDropout = 0.0,
+    load_in_4bit: o.LoadIn4bit = False,
     use_liger_kernel: o.UseLigerKernel = False,
     dataset: o.Dataset = None,
     dataset_probs: o.DatasetProbs = None,
@@ -96,6 +101,7 @@ def main(
 ):
     options = orl.options(locals())
     with exit_on_user_error():
+        check_lora(options)
         # OpenRLHF's default template wraps plain-text prompts unless the user gives another ('' = none)
         template_notes(dict(options, input_template=input_template or None))
         require(not multiturn or apply_chat_template or dataset is None, "--multiturn trains on every assistant "
@@ -133,6 +139,7 @@ def train(a: o.Options) -> None:
     from common.training.checkpoint import Preemption, latest_checkpoint, load_checkpoint, save_checkpoint
     from common.data.rows import iterate_batches
     from common.logger import MetricsLogger, git_commit, versions
+    from common.training.lora import LoraSettings, apply_lora, quantization
     from common.training.models import attn_implementation, load_causal_lm, load_tokenizer, max_len_note, resolve_pretrain
     from common.data.prompts import set_chat_template
     from common.rollout.decode import hf_generate
@@ -166,15 +173,17 @@ def train(a: o.Options) -> None:
     # ---- model
     ds_cfg = ds.train_config(settings, dist.world_size, dtype)
     _keep = ds.zero3_loading(ds_cfg)  # noqa: F841  (must outlive from_pretrained)
-    if a.pretrain is None:  # the built-in: an untrained model, so that learning the task shows
+    lora = LoraSettings.from_options(a)
+    if a.pretrain is None and not lora.on:  # the built-in: an untrained model, so that learning the task shows
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrain), attn_implementation=attn,
                                                  dtype=torch.float32)
         model.config.use_cache = False
         notes.append("built-in: the tiny model's architecture and tokenizer, freshly initialised (--seed)")
-    else:
-        model = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn)
+    else:  # an adapter needs a trained base: with --lora_rank the built-in is the tiny model as built
+        model = load_causal_lm(pretrain, dtype=torch.float32, attn_impl=attn, **quantization(lora, dist.device))
+    lora_note = apply_lora(model, lora) if lora.on else None
     if a.use_liger_kernel:
         from common.training.liger import apply_liger
 
@@ -198,7 +207,8 @@ def train(a: o.Options) -> None:
                         title="SFT", start_step=state["step"] + 1, append=bool(resume_from))
     mode = "all tokens (--pretrain_mode)" if a.pretrain_mode else "every assistant turn" if a.multiturn else "response"
     log.banner("hybridrl train_sft", {
-        "run": {"model": pretrain if a.pretrain else f"{pretrain} (untrained copy)", "loss on": mode,
+        "run": {"model": pretrain if a.pretrain or lora.on else f"{pretrain} (untrained copy)", "loss on": mode,
+                **({"LoRA": lora_note} if lora_note else {}),
                 "data": f"{train_src} ({len(train_set)} samples)",
                 "eval": f"{eval_src} ({len(eval_set)} samples)" if eval_set else "none",
                 "world size": dist.world_size, "device": dist.device.type, "dtype": str(dtype).replace("torch.", ""),

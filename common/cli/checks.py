@@ -79,3 +79,13 @@ def template_notes(a: dict, prompt_flag: str | None = None) -> list[str]:
         raise UserError("--tokenizer_chat_template replaces the template that --apply_chat_template uses: add "
                         "--apply_chat_template, or drop the flag")
     return notes
+
+
+def check_lora(a: dict) -> None:
+    """The LoRA flags (common.training.lora): those that shape an adapter need one (--lora_rank), as does 4-bit."""
+    if a.get("lora_rank"):
+        return
+    for flag, default in (("load_in_4bit", False), ("target_modules", None), ("lora_alpha", 16), ("lora_dropout", 0.0)):
+        if a.get(flag, default) not in (default, ["all-linear"]):
+            raise UserError(f"--{flag} shapes a LoRA adapter, and this run trains every weight: add --lora_rank "
+                            "(e.g. 16) to train an adapter, or drop it")

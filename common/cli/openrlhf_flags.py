@@ -26,6 +26,7 @@ import typing
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from common.errors import UserError, exit_on_user_error, require
 from common.cli.openrlhf_table import DEFAULTS, EXTRA
@@ -33,6 +34,30 @@ from common.cli.openrlhf_table import DEFAULTS, EXTRA
 PANEL = "OpenRLHF flags"
 _SCALARS = {"int": int, "float": float, "str": str}
 _current: dict | None = None  # the translation of the command being run (one per process)
+
+
+class Command(TyperCommand):
+    """A script's command: OpenRLHF's nargs='*' flags take several values after one flag (`--target_modules
+    q_proj v_proj`), where click takes one value per flag; the values after such a flag are spread over
+    repeated flags (`--target_modules q_proj --target_modules v_proj`) before click parses them."""
+
+    def parse_args(self, ctx, args):
+        multi = {name for p in self.params if getattr(p, "multiple", False) for name in p.opts}
+        return super().parse_args(ctx, spread_values(list(args), multi))
+
+
+def spread_values(args: list[str], flags: set[str]) -> list[str]:
+    """`args` with each extra value after a flag in `flags` given its own copy of the flag."""
+    out, current, taken = [], None, 0
+    for arg in args:
+        if arg.startswith("-"):
+            current, taken = (arg if arg in flags else None), 0
+        elif current is not None:
+            if taken:
+                out.append(current)
+            taken += 1
+        out.append(arg)
+    return out
 
 
 def _type(kind: str):

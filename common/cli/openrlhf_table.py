@@ -17,12 +17,10 @@ another demo default: with --pretrain the OpenRLHF value is used. Pure data: no 
 from __future__ import annotations
 
 INF = float("inf")
-LORA = "LoRA is not supported here yet; drop it to train all weights"
 RING = "ring attention (sequence parallelism) is not supported yet; drop it (--gradient_checkpointing saves activation memory)"
 VLM = "images / vision-language models are not supported yet; drop it (text prompts only)"
 DYN = "dynamic batching by token budget is not supported yet; drop it and size batches with --micro_train_batch_size"
 TP = "DeepSpeed tensor parallelism (AutoTP) is not supported yet; drop it and shard with --zero_stage 3"
-Q4 = "4-bit (QLoRA) loading is not supported here yet (it needs LoRA); drop it"
 EMA = "an EMA copy of the actor is not supported yet; drop it"
 MS = "ModelScope downloads are not supported; drop it (models come from the Hugging Face hub or a local folder)"
 
@@ -49,11 +47,6 @@ _COMMON = {
     "ds_tensor_parallel_size": ("int", 1, "refuse", TP),
     "ring_attn_size": ("int", 1, "refuse", RING),
     "ring_head_stride": ("int", 1, "refuse", RING),
-    "load_in_4bit": ("bool", False, "refuse", Q4),
-    "lora_rank": ("int", 0, "refuse", LORA),
-    "lora_alpha": ("int", 16, "refuse", LORA),
-    "lora_dropout": ("float", 0.0, "refuse", LORA),
-    "target_modules": ("list", ["all-linear"], "refuse", LORA),
     "aux_loss_coef": ("float", 0.0, "refuse", "the MoE load-balancing loss is not supported (no MoE models here); drop it"),
     "wandb_org": ("str", None, "impl", "wandb entity"),
     "wandb_group": ("str", None, "impl", "wandb group"),

@@ -76,6 +76,7 @@ _install_help()  # every script's --help: whole flag names at any width
 
 MODEL, DATA, ROLLOUT, ALGO = "Model", "Data", "Rollout (vLLM)", "Algorithm"
 OPTIM, DS, CLUSTER, LOG = "Optimization", "DeepSpeed", "Cluster (Ray)", "Logging & checkpoints"
+LORA = "LoRA"
 
 
 def opt(name: str, help: str, panel: str, **kw) -> typer.models.OptionInfo:
@@ -99,6 +100,14 @@ TorchCompile = Annotated[bool, flag("torch_compile", "torch.compile each transfo
 FlashAttn = Annotated[bool, flag("flash_attn", "Use flash-attention 2 where installed (otherwise PyTorch SDPA, said once).", MODEL)]
 GradCkpt = Annotated[bool, flag("gradient_checkpointing", "Recompute activations in the backward pass to save memory.", MODEL)]
 UseLigerKernel = Annotated[bool, flag("use_liger_kernel", "On a GPU with liger-kernel installed (the gpu extra): its fused Triton kernels (RMSNorm, RoPE, SwiGLU) in the trained policy; elsewhere not used, said once.", MODEL)]
+
+# --- LoRA --------------------------------------------------------------------------------------
+LoraRank = Annotated[int, opt("lora_rank", "LoRA adapter rank; 0 trains every weight. With a rank the base model is frozen (no Adam state for it), the reference is the policy with its adapter off (no second copy), and the saved model is the adapter in peft's format (python -m common.training.lora merges it).", LORA, min=0)]
+LoraAlpha = Annotated[int, opt("lora_alpha", "LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank.", LORA, min=1)]
+TargetModules = Annotated[Optional[list[str]], opt("target_modules", "Layers that get an adapter, by name, several after one flag as in OpenRLHF (--target_modules q_proj v_proj); default all-linear: every linear layer but the output head.", LORA, show_default="all-linear")]
+LoraDropout = Annotated[float, opt("lora_dropout", "Dropout on the adapter's input.", LORA, min=0.0, max=1.0)]
+LoadIn4bit = Annotated[bool, flag("load_in_4bit", "QLoRA: the frozen base in 4-bit NF4 (double quantisation, bf16 compute) through bitsandbytes, on CUDA GPUs; needs --lora_rank.", LORA)]
+
 
 # --- Data --------------------------------------------------------------------------------------
 Dataset = Annotated[Optional[str], opt("dataset", "Training data: .jsonl/.json/.parquet/.csv file, a datasets folder, or a hub id (name@data_dir for a subfolder); several comma-separated are concatenated, or mixed with --dataset_probs (default: the built-in task).", DATA)]

@@ -65,6 +65,8 @@ class Model:
     group: str          # GPUs it shares with other roles (common.cluster.resources.Plan's groups)
     process: str        # models of one process share its allocator and context (DPO: policy + reference)
     gpus_flag: str = "" # the flag that gives it twice the GPUs
+    adapter: int = 0    # trained with LoRA: the adapter's parameters (master, moments, gradients); 0: every weight
+    bits4: bool = False # --load_in_4bit: the frozen base's linear layers in NF4
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,19 @@ def read_shape(path: str | None, value_head: bool = False) -> Shape:
     return Shape(L * layer + V * h + h + head, L, h, f, q, kv, V, layer, V * h, 4 if "32" in dtype else 2, kind)
 
 
+LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapter_params(s: Shape, rank: int, targets: tuple[str, ...] = ("all-linear",)) -> int:
+    """A LoRA adapter's parameters: rank x (in + out) for each targeted linear layer of every block (all-linear:
+    the seven of a Llama/Qwen block; the output head is never targeted)."""
+    h, q, kv, f = s.hidden, s.q_dim, s.kv_dim, s.inter
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + f,
+             "up_proj": h + f, "down_proj": f + h}
+    chosen = LORA_LAYERS if "all-linear" in targets else [t for t in targets if t in sizes]
+    return s.layers * rank * sum(sizes[t] for t in chosen)
+
+
 def _tokens(m: Model, j: Job, rows: int, train: bool) -> dict[str, int]:
     """Transient bytes of one micro-batch of `rows` sequences: forward, and backward when `train`."""
     s, t = m.shape, rows * j.seq
@@ -236,14 +251,26 @@ def _weight_bytes(m: Model, j: Job) -> int:
     return 4 if not j.bf16 or (m.trainable and j.autocast) else 2  # frozen models: bf16 under autocast too
 
 
+def _frozen_base(m: Model, wb: int) -> int:
+    """Bytes of a LoRA model's frozen base: NF4 (half a byte and its double-quantised scales) for the blocks'
+    linear layers under --load_in_4bit, `wb` bytes for the rest."""
+    s = m.shape
+    if not m.bits4:
+        return wb * s.params
+    linear = s.layers * (2 * s.hidden * s.q_dim + 2 * s.hidden * s.kv_dim + 3 * s.hidden * s.inter)
+    return int(linear * 0.515) + 2 * (s.params - linear)
+
+
 def training_states(m: Model, j: Job) -> dict[str, int]:
     """Bytes a trained model keeps on each of its GPUs between steps: weights, fp32 master, Adam moments,
     gradients (the CPU tests count them in real DeepSpeed engines, tests/*/test_memory_plan.py)."""
-    n, d, z, wb = m.shape.params, m.ranks, j.zero_stage, _weight_bytes(m, j)
+    base, d, z, wb = m.shape.params, m.ranks, j.zero_stage, _weight_bytes(m, j)
+    n = m.adapter or base  # LoRA: only the adapter has master, moments and gradients
     off = j.adam_offload and z >= 1  # ZeRO-Offload: master and moments (and the gradient partition) in CPU memory
     # ZeRO-3 means to share fp32 weights with its master, but compares a device with a string: it never does
     master = 0 if off or (wb == 4 and z == 0) else 4 * n // (1 if z == 0 else d)
-    out = {"weights": wb * n // (d if z == 3 else 1), "master": master, "moments": 0 if off else 8 * n // (d if z else 1),
+    weights = wb * n if not m.adapter else _frozen_base(m, wb) + 4 * n  # the base frozen beside an fp32 adapter
+    out = {"weights": weights // (d if z == 3 else 1), "master": master, "moments": 0 if off else 8 * n // (d if z else 1),
            "grads": (0 if z == 0 or off else wb * n // d) + (wb * min(n, BUCKET) if z == 3 else 0)}
     if off and z == 3 and j.offload_ratio < 1:  # partial offload: the GPU's sub-groups keep master, moments, fp32 grads
         gpu = int((1 - j.offload_ratio) * n / d)
@@ -253,7 +280,7 @@ def training_states(m: Model, j: Job) -> dict[str, int]:
 
 def _model_phases(m: Model, j: Job) -> dict[str, dict[str, int]]:
     """Allocated bytes of one model on one GPU, per phase and component."""
-    n, d, z = m.shape.params, m.ranks, j.zero_stage
+    n, d, z = m.adapter or m.shape.params, m.ranks, j.zero_stage  # LoRA: the adapter's gradients and step
     per_rank = -(-j.step_rows // d)
     per: dict[str, dict[str, int]] = {ph: {} for ph in j.phases}
     weights = _weight_bytes(m, j) * n // (d if z == 3 else 1)

@@ -20,7 +20,7 @@ from dataclasses import replace
 from common.algo import HEAD_CHUNK, PLAIN_HEAD
 from common.cluster.resources import hosted_note, hosts
 from common.errors import UserError
-from common.cluster.memory_estimate import PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, plan_memory, read_shape
+from common.cluster.memory_estimate import PHASES, GiB, Job, MemoryPlan, Model, _NoPlan, adapter_params, plan_memory, read_shape
 from common.cluster.memory_estimate import Shape, training_states  # noqa: F401  (for the tests and callers)
 
 # With no GPU visible (a dry run on a laptop) the plan is checked against an 80 GB GPU, what OpenRLHF's
@@ -36,11 +36,20 @@ def _job_from_options(a: dict, script: str, plan, world: int) -> Job:
                  adam_offload=a["adam_offload"], checkpointing=a["gradient_checkpointing"],
                  flash=bool(a.get("flash_attn")) and importlib.util.find_spec("flash_attn") is not None,
                  packing=bool(a.get("packing_samples")))
+    rank, targets = a.get("lora_rank") or 0, tuple(a.get("target_modules") or ("all-linear",))
+
+    def lora(shape) -> dict:  # a trained model's LoRA fields (common.cluster.memory_estimate.Model)
+        return dict(adapter=adapter_params(shape, rank, targets), bits4=bool(a.get("load_in_4bit"))) if rank else {}
+
     if script in ("dpo", "rm"):  # one process per GPU: each micro-batch holds chosen and rejected rows
         more = f"{2 * world} GPUs (torchrun --nproc_per_node {2 * world}, or more nodes)"
         rows = 2 * a["micro_train_batch_size"]
         if script == "rm":
-            models = (Model("reward model", read_shape(a["pretrain"], True), True, False, world, "rank", "reward model", more),)
+            shape = read_shape(a["pretrain"], True)
+            models = (Model("reward model", shape, True, False, world, "rank", "reward model", more, **lora(shape)),)
+        elif rank:  # LoRA: the reference is the policy with its adapter off, no second copy
+            shape = read_shape(a["pretrain"])
+            models = (Model("policy", shape, True, True, world, "rank", "policy", more, **lora(shape)),)
         else:
             ref = read_shape(a.get("ref_pretrain") or a["pretrain"])
             both = "policy + reference"  # one process
@@ -52,9 +61,10 @@ def _job_from_options(a: dict, script: str, plan, world: int) -> Job:
     paths = {"actor": a["pretrain"], "ref": a["pretrain"], "reward": a.get("reward_pretrain"),
              "critic": a.get("critic_pretrain") or a.get("reward_pretrain") or a["pretrain"]}
     hosted = hosts(plan)  # a frozen role in a trained role's processes shares their allocator and context
-    models = tuple(Model(r.role, read_shape(paths[r.role], r.role in ("critic", "reward")), r.role in ("actor", "critic"),
-                         r.role in ("actor", "ref"), r.workers, r.group, hosted.get(r.role, r.role),
-                         f"--{r.role}_num_gpus_per_node {2 * r.gpus_per_node}")
+    shapes = {r.role: read_shape(paths[r.role], r.role in ("critic", "reward")) for r in plan.roles}
+    models = tuple(Model(r.role, shapes[r.role], r.role in ("actor", "critic"), r.role in ("actor", "ref"), r.workers,
+                         r.group, hosted.get(r.role, r.role), f"--{r.role}_num_gpus_per_node {2 * r.gpus_per_node}",
+                         **(lora(shapes[r.role]) if r.role in ("actor", "critic") else {}))
                    for r in plan.roles)
     n, engines = a["n_samples_per_prompt"], plan.vllm_engines
     actor = models[0].shape

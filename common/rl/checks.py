@@ -93,6 +93,9 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
         # flash-attention's padded path with a left-padded cache was not available to check against the plain forward
         require(a["flash_attn"] is not True, "--share_prompt_prefix is checked with PyTorch's SDPA and eager attention only, "
                 "not with flash-attention: drop --flash_attn or --share_prompt_prefix")
+    if a.get("lora_rank"):  # the engines keep the base they loaded and take only adapters (AdapterSync)
+        require(not (a["vllm_enable_sleep"] and a["vllm_sleep_level"] == 2), "--vllm_sleep_level 2 drops the engines' "
+                "weights, and a LoRA run sends only its adapter, never the base again: use --vllm_sleep_level 1")
     need = [f"--{k}" for k in ("vllm_enable_sleep", "enable_vllm_is_correction") if a[k]]
     require(a["vllm_num_engines"] > 0 or not need,
             f"{' and '.join(need)} {'needs' if len(need) == 1 else 'need'} vLLM engines: add --vllm_num_engines N or drop it")

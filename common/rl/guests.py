@@ -28,6 +28,16 @@ class Host:
         self.guests = {**getattr(self, "guests", {}), role: guest}
         return info
 
+    def host_base(self, role: str) -> dict:
+        """`role` (the reference) as this LoRA-trained model with its adapter switched off: no second copy of
+        the weights, and exactly the base's numbers (common.training.lora.adapter_disabled)."""
+        import copy
+
+        guest = copy.copy(self)  # the same model, tokenizer and process group
+        guest.adapter_off = True
+        self.guests = {**getattr(self, "guests", {}), role: guest}
+        return {"notes": [], "device": str(self.dist.device), "params": 0}
+
     def guest(self, role: str, method: str, *args, **kwargs):
         """A hosted role's method, as a RoleGroup would call it on that role's own worker."""
         return getattr(self.guests[role], method)(*args, **kwargs)

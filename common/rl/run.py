@@ -15,6 +15,9 @@ from common import cpu_threads
 from common.cluster import memory_plan
 from common.errors import require
 
+# The reference of a LoRA run: the actor's own model with its adapter switched off (common.rl.guests.Host.host_base)
+ADAPTER_OFF = "the actor's base (LoRA adapter off)"
+
 
 def split_note(actor, engines: list) -> list[str]:
     """The banner's line of the cores each side holds, as its processes report them (SPLIT runs only)."""
@@ -67,6 +70,11 @@ class RLRun:
         random.seed(a["seed"])
         torch.manual_seed(a["seed"])
         self.pretrain = resolve_pretrain(a["pretrain"])
+        from common.training.lora import adapter_base
+
+        require(not (a["vllm_num_engines"] and adapter_base(self.pretrain)), f"--pretrain {self.pretrain} is a LoRA "
+                "adapter, and the vLLM engines load whole models: merge it into its base first (python -m "
+                f"common.training.lora --lora_path {self.pretrain} --output_path DIR) and give DIR")
         self.tokenizer = load_tokenizer(self.pretrain)
         self.prompts, self.eval_prompts, self.src, self.dropped = load_prompts(a, self.tokenizer)
         # the built-in task's prompts: its rule says which answers are right, whatever the reward source
@@ -89,6 +97,9 @@ class RLRun:
                                           colocated=plan.vllm_group == self.roles["actor"].group) \
             if a["vllm_num_engines"] else None
         self.settings = ds.DSSettings.from_options(a, bf16=a["bf16"], fused_adam=a["deepspeed_enable_sleep"])
+        from common.training.lora import LoraSettings
+
+        self.lora = LoraSettings.from_options(a)
         for role in ("actor", "critic"):  # refused here, not after the models have loaded
             if role in self.roles:
                 ds.grad_accumulation(self.settings, self.roles[role].workers)
@@ -123,6 +134,7 @@ class RLRun:
         extra = (dict(value_head_prefix=a["value_head_prefix"], normalize_reward=a["normalize_reward"]) if kind == "value"
                  else dict(share_prefix=a["share_prompt_prefix"]))  # value models run whole rows
         return ModelSpec(path, kind, lr is not None, self.settings, optim=self.optim(lr) if lr is not None else {},
+                         lora=self.lora if lr is not None else None,
                          bf16=a["bf16"], flash_attn=a["flash_attn"], seed=a["seed"], temperature=a["temperature"],
                          packing=a["packing_samples"], **extra, **kw)
 
@@ -134,6 +146,8 @@ class RLRun:
                                     static_cache=a["static_kv_cache"], liger=a["use_liger_kernel"])}
         if "ref" in self.roles:
             specs["ref"] = self.spec(self.pretrain, "causal_lm", offload=a["ref_reward_offload"])
+        elif self.lora.on and a["init_kl_coef"] > 0:  # the plan gave it no model: the actor's base is the reference
+            specs["ref"] = ADAPTER_OFF
         if "reward" in self.roles:
             specs["reward"] = self.spec(a["reward_pretrain"], "value", offload=a["ref_reward_offload"])
         return specs
@@ -150,13 +164,18 @@ class RLRun:
         from common.rl.eval import BestCheckpoint
         from common.rollout.samples import generation_note, positions_note
         from common.rollout.vllm_engine import EngineSpec, start_placed
-        from common.rollout.weight_sync import WeightSync
+        from common.rollout.weight_sync import AdapterSync, WeightSync
         from common.rl.workers import ModelWorker
 
         a, plan = self.a, self.plan
         calls = []
         hosted = hosts(plan)  # frozen roles loaded into a trained role's processes on the same GPUs
-        for role, spec in sorted(specs.items(), key=lambda kv: kv[0] in hosted):  # a host's own model loads first
+        # a host's own model loads first
+        for role, spec in sorted(specs.items(), key=lambda kv: kv[0] in hosted or kv[1] == ADAPTER_OFF):
+            if spec == ADAPTER_OFF:  # LoRA: the actor's workers serve it with the adapter switched off
+                self.groups[role] = GuestGroup(role, self.groups["actor"])
+                calls.append((self.groups["actor"], "host_base", role))
+                continue
             if role in hosted:
                 self.groups[role] = GuestGroup(role, self.groups[hosted[role]])
                 calls.append((self.groups[hosted[role]], "host", role, spec))
@@ -178,7 +197,9 @@ class RLRun:
         if not first:
             self.engines = start_placed(n_engines, engine_spec, plan, self.pgs, self.actor)
         infos = [get(p, 1800, "model setup") for p in pending]
-        if self.engines:
+        if self.engines and self.lora.on:  # the engines keep their base: only the adapter travels
+            self.sync = AdapterSync(self.actor, self.engines, timeout_s=a["vllm_sync_timeout"])
+        elif self.engines:
             self.sync = WeightSync(self.actor, self.engines, transport=self.transport, bucket_mb=a["vllm_sync_bucket_mb"],
                                    timeout_s=a["vllm_sync_timeout"], tp=a["vllm_tensor_parallel_size"],
                                    overlap_load=a["async_train"])
@@ -205,7 +226,7 @@ class RLRun:
             wandb_project=a["wandb_project"], wandb_run_name=a["wandb_run_name"], tensorboard_dir=a["use_tensorboard"],
             title=title, plot_keys=plot_keys, start_step=state["step"] + 1, append=bool(self.resumed))
         log.banner(f"hybridrl {title}", {
-            "run": {"model": self.pretrain, "estimator": a["advantage_estimator"],
+            "run": {"model": self.pretrain, **self._lora_lines(specs), "estimator": a["advantage_estimator"],
                     "prompts": f"{self.src} ({len(self.prompts)}, {self.dropped} dropped as too long)",
                     "eval": f"{len(self.eval_prompts)} prompts x {a['eval_n_samples_per_prompt']} samples"
                             if self.eval_prompts else "-",
@@ -227,6 +248,18 @@ class RLRun:
             log.warn_once(note, note)
         self.best = BestCheckpoint(a["best_metric_key"], state.get("best"))
         return state
+
+    def _lora_lines(self, specs: dict) -> dict:
+        """The banner's LoRA lines: the adapter, where the reference comes from, what the sync sends."""
+        if not self.lora.on:
+            return {}
+        out = {"LoRA": f"{self.lora.describe()}; trained roles: {', '.join(r for r in ('actor', 'critic') if r in specs)}"}
+        if specs.get("ref") == ADAPTER_OFF:
+            out["reference"] = ("the actor's base, its adapter off, in the actor's processes (no reference model; "
+                                "--ref_num_nodes, --ref_num_gpus_per_node and --colocate_actor_ref place nothing)")
+        if self.engines:
+            out["weight sync"] = "the adapter only, through Ray's object store (the engines keep the base they loaded)"
+        return out
 
     # ---------------------------------------------------------------- phases
     def generate(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool = False):

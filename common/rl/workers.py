@@ -43,6 +43,7 @@ class ModelSpec:
     # [tokens, vocab] logits are the largest tensor of a small model's step; 0: the whole logits
     head_chunk_tokens: int | None = None
     optim: dict = field(default_factory=dict)  # lr, total_steps, warmup_ratio, scheduler, betas, weight_decay
+    lora: object = None          # trained roles: common.training.lora.LoraSettings (None or rank 0: every weight trains)
 
 
 class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
@@ -74,15 +75,21 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
         _keep = ds.zero3_loading(cfg)  # noqa: F841  (must outlive from_pretrained)
         load_dtype = torch.float32 if spec.trainable else self.dtype
         liger_note = None
+        from common.training.lora import apply_lora, quantization
+
+        lora = spec.lora if spec.trainable and spec.lora is not None and spec.lora.on else None
+        quant = quantization(lora, self.dist.device) if lora else {}
         if spec.kind == "causal_lm":
-            model = load_causal_lm(spec.path, dtype=load_dtype, attn_impl=attn)
+            model = load_causal_lm(spec.path, dtype=load_dtype, attn_impl=attn, **quant)
             if spec.liger:
                 from common.training.liger import apply_liger
 
                 liger_note = apply_liger(model, self.dist.device)
         else:
             model = load_reward_model(spec.path, dtype=load_dtype, attn_impl=attn, pad_token_id=self.tokenizer.pad_token_id,
-                                      value_head_prefix=spec.value_head_prefix, normalize_reward=spec.normalize_reward)
+                                      value_head_prefix=spec.value_head_prefix, normalize_reward=spec.normalize_reward, **quant)
+        if lora:  # a critic's value head trains in full beside its adapter
+            apply_lora(model, lora, head="score" if spec.kind == "value" else None)
         if spec.trainable:
             self.model = ds.initialize(model, settings, self.dist, self.dtype, **spec.optim)
         else:
@@ -167,9 +174,14 @@ class ModelWorker(Sleeper, Host, WeightSender, BaseWorker):
 
     @torch.no_grad()
     def logprobs(self, batch: dict, micro_batch: int) -> torch.Tensor:
-        """[n, T-1] log-probs of this rank's shard (zeros off the action mask)."""
+        """[n, T-1] log-probs of this rank's shard (zeros off the action mask); the base model's for the
+        reference that `host_base` made of a LoRA actor."""
+        from contextlib import nullcontext
+
+        from common.training.lora import adapter_disabled
+
         self.model.eval()
-        with self._on_device():
+        with self._on_device(), adapter_disabled(self.model) if getattr(self, "adapter_off", False) else nullcontext():
             out = [self._pad_to(self._token_logprobs(m)[0].float().cpu(), batch["input_ids"].shape[1] - 1)
                    for _, m in self._micro_batches(batch, micro_batch)]
         return torch.cat(out) * batch["action_mask"]

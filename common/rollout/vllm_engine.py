@@ -112,6 +112,12 @@ class EngineSpec:
     # A few short generate calls at start, compiling the kernels later rollouts' shapes will need
     # (GPU; HYBRIDRL_VLLM_WARMUP=0 declines).
     warmup: bool = False
+    # LoRA: the rank of the adapters the trainer pushes (0: none; the engine then serves its weights
+    # alone). vLLM sizes its LoRA buffers for max_lora_rank, one of a fixed set: the smallest that holds
+    # this rank (vllm_lora_rank). max_loras: adapters held at once, one per policy version, so that
+    # --async_train's rollouts still in flight sample from the version they started with.
+    lora_rank: int = 0
+    max_loras: int = 1
 
     @classmethod
     def from_options(cls, a, plan, pretrain: str) -> EngineSpec:
@@ -126,7 +132,9 @@ class EngineSpec:
                    enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
                    enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
                    tensor_parallel_size=a["vllm_tensor_parallel_size"],
-                   model_runner_v2=plan.use_gpu and runner_v2_suits(config), warmup=plan.use_gpu)
+                   model_runner_v2=plan.use_gpu and runner_v2_suits(config), warmup=plan.use_gpu,
+                   # --async_train: a slot per policy version a queued rollout may still sample from
+                   lora_rank=a["lora_rank"], max_loras=1 + (a["async_queue_size"] if a["async_train"] else 0))
 
 
 # dense decoder-only architectures that take the same vLLM code path as the measured Qwen2
@@ -138,6 +146,19 @@ def runner_v2_suits(config) -> bool:
     archs = getattr(config, "architectures", None) or []
     dense = not any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     return bool(archs) and set(archs) <= set(RUNNER_V2) and getattr(config, "quantization_config", None) is None and dense
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The max_lora_rank vLLM is given for adapters of rank `rank`: the smallest it accepts that holds it
+    (1, 8, 16, 32, 64, 128, 256, 320, 512 in vLLM 0.32; read from vLLM)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in sorted(get_args(MaxLoRARanks)) if r >= rank]
+    if not fits:
+        raise UserError(f"--lora_rank {rank}: vLLM serves LoRA adapters of rank up to {max(get_args(MaxLoRARanks))}")
+    return fits[0]
 
 
 def cpu_binding(cores: list[int], tp: int) -> str:
@@ -177,12 +198,16 @@ class VllmEngine:
         self.index, self.spec = index, spec
         self.version = 0  # the policy version of the weights held, set by each sync; tags the samples
         self.load_error = None
+        self.adapter_error = False  # load_error came from an adapter push: the next complete push clears it
+        self.adapters: dict[int, int] = {}  # policy version -> vLLM's id of the adapter held for it
+        lora = dict(enable_lora=True, max_lora_rank=vllm_lora_rank(spec.lora_rank), max_loras=spec.max_loras,
+                    max_cpu_loras=spec.max_loras) if spec.lora_rank > 0 else {}
         self.llm = LLM(model=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len,
                        gpu_memory_utilization=spec.gpu_memory_utilization, enable_prefix_caching=spec.enable_prefix_caching,
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs",
                        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
-                       worker_extension_cls="common.rollout.vllm_worker.WeightReceiver")
+                       worker_extension_cls="common.rollout.vllm_worker.WeightReceiver", **lora)
         clock_time_gc()
         # vLLM's model runs in this process only with the in-process engine on one device
         self.timing_jit = not self.core_process and tp == 1 and clock_time_jit()
@@ -225,7 +250,10 @@ class VllmEngine:
         return combine(self.llm.collective_rpc("hybridrl_memory"))
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict, seed: int):
-        """n samples per prompt, token ids in and out, with each sampled token's log-prob."""
+        """n samples per prompt, token ids in and out, with each sampled token's log-prob.
+
+        With LoRA, from the adapter of the last `load_adapter`, or of policy version
+        `sampling["adapter_version"]` if the engine still holds it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -233,6 +261,7 @@ class VllmEngine:
 
         if self.load_error:  # a deferred weight load failed (common.rollout.weight_sync): never sample from half-loaded weights
             raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
+        version, lora = self._adapter_request(sampling.get("adapter_version"))
         n = sampling["n"]
         greedy = sampling.get("greedy", False)
         # The sampled tokens' log-probs cost a quarter of the decode time of a 0.5B model on an H200
@@ -251,7 +280,8 @@ class VllmEngine:
         # seconds, the garbage collector's and Triton's compiles say whether a slow call was starved
         # or did more (common.rollout.vllm_engine).
         m = clock_mark()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
+                                 lora_request=lora)
         extra, compiled = clock_since(m, self.timing_jit)
         s = Samples([], [], [], [], [] if want_lp else None, extra=extra, versions=[])
         if compiled:  # into the actor's log (Ray's session logs): what made a slow call slow
@@ -264,11 +294,75 @@ class VllmEngine:
                 s.response_ids.append(ids)
                 s.prompt_index.append(i)
                 s.truncated.append(c.finish_reason == "length")
-                s.versions.append(self.version)
+                s.versions.append(version)
                 if want_lp:
                     flat = c.logprobs  # logprobs=0: one entry per position, the sampled token's
                     s.logprobs.append([flat.logprobs[k] for k in flat.start_indices])
         return s
+
+    def _adapter_request(self, version: int | None):
+        """(the policy version that samples, vLLM's request for its adapter or None for the weights alone)."""
+        from vllm.lora.request import LoRARequest
+
+        version = self.version if version is None else version
+        if version not in self.adapters:
+            if not self.adapters and version == self.version:  # no adapter pushed yet: the weights are that version
+                return version, None
+            raise RuntimeError(f"vLLM engine {self.index}: no adapter of policy version {version} "
+                               f"(held: {sorted(self.adapters)}; EngineSpec.max_loras {self.spec.max_loras})")
+        lora_id = self.adapters[version]
+        # vLLM requires a path; the adapter is registered in every worker, so none reads it. Absolute:
+        # had a worker lost it, vLLM would then fail on the missing folder rather than ask the Hugging
+        # Face hub for a model of that name. The name keys the prefix cache: one per id.
+        name = f"hybridrl-adapter-{lora_id}"
+        return version, LoRARequest(name, lora_id, f"/in-memory/{name}")
+
+    # ---------------------------------------------------------------- LoRA adapter sync
+    def load_adapter(self, tensors: dict, config: dict, version: int | None = None) -> float:
+        """Serve the trainer's LoRA adapter as policy version `version` (None: one more than before); the
+        next generate calls sample from it. Returns the seconds the engine spent.
+
+        `tensors`: peft's state dict ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+        [r, in], "...lora_B.weight": [out, r]), every tensor-parallel worker gets all of it; `config`: its
+        LoraConfig as a dict. The newest `spec.max_loras` versions stay (the one pushed always), older
+        ones are dropped. A failed push makes generate refuse until a complete one.
+        """
+        t0 = time.perf_counter()
+        if self.spec.lora_rank <= 0:
+            raise RuntimeError(f"vLLM engine {self.index} serves no LoRA adapters: "
+                               "start it with EngineSpec.lora_rank > 0")
+        version = self.version + 1 if version is None else version
+        lora_id = version + 1  # vLLM's adapter ids start at 1, policy versions at 0
+        others = sorted(v for v in self.adapters if v != version)
+        stale = others[:max(0, len(others) - (self.spec.max_loras - 1))]
+        args = (lora_id, tensors, config)
+        if self.core_process:  # as receive_weights: one pickle instead of vLLM's encoding of tensors as lists
+            args = (pickle.dumps(args),)
+        try:
+            for v in stale:  # first, so the new one finds a free slot (vLLM holds at most max_loras)
+                self.llm.collective_rpc("hybridrl_remove_adapter", args=(self.adapters.pop(v),))
+            self.adapters.pop(version, None)  # replaced: not servable until the push completes
+            self.llm.collective_rpc("hybridrl_add_adapter", args=args)
+        except Exception as e:
+            self.load_error, self.adapter_error = f"{type(e).__name__}: {e}", True
+            try:  # some tensor-parallel workers may hold it and others not
+                self.llm.collective_rpc("hybridrl_remove_adapter", args=(lora_id,))
+            except Exception:  # the push's own error is the one to report
+                pass
+            raise
+        if self.adapter_error:  # a base weight load's failure stays until a complete weight load
+            self.load_error, self.adapter_error = None, False
+        self.adapters[version] = lora_id
+        self.version = version
+        self.llm.reset_prefix_cache()  # a re-pushed version keeps its id, and its name keys the cached prefixes
+        return time.perf_counter() - t0
+
+    def _drop_adapters(self) -> None:
+        """Forget every adapter: they were trained on the weights that a weight load replaces (vLLM's
+        reload drops them itself; its in-place load on GPU does not)."""
+        for lora_id in self.adapters.values():
+            self.llm.collective_rpc("hybridrl_remove_adapter", args=(lora_id,))
+        self.adapters.clear()
 
     # ---------------------------------------------------------------- weight sync (common.rollout.weight_sync)
     def join_sync_group(self, backend: str, addr: str, port: int, first_rank: int, world: int, timeout_s: float) -> None:
@@ -289,10 +383,11 @@ class VllmEngine:
             # vLLM's own encoding to its engine-core process turns dataclasses into dicts and tensors
             # into lists: pickle (tensors, IPC handles and all) once instead.
             args = (pickle.dumps(args),)
+        self._drop_adapters()
         try:
             self.llm.collective_rpc("hybridrl_receive", args=args)
         except Exception as e:
-            self.load_error = f"{type(e).__name__}: {e}"
+            self.load_error, self.adapter_error = f"{type(e).__name__}: {e}", False
             raise
         self.load_error = None  # a complete load replaces every weight a failed one may have left
         self.llm.reset_prefix_cache()

@@ -70,3 +70,16 @@ class WeightSender:
 
     def release_sync_buffers(self) -> None:
         self._sync_keep = []
+
+    def adapter_tensors(self) -> tuple[dict, dict] | None:
+        """A LoRA actor's adapter for `common.rollout.weight_sync.AdapterSync`: (peft-named tensors on CPU, its
+        LoraConfig as a dict) on rank 0, None elsewhere. Every rank takes part: ZeRO-3 gathers the adapter's
+        parameters, and only those (the frozen base reached the engines when they loaded the model)."""
+        from common.training.lora import adapter_config, adapter_state
+
+        tensors = adapter_state(self.model)
+        if self.dist.rank != 0:
+            return None
+        # the engines' dtype, as the full sync sends it
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}, adapter_config(self.model)
+

@@ -220,3 +220,37 @@ class WeightSync:
         got, self.loading = self.loading, []
         loads = self._wait(got, lambda i: f"vLLM engine {i}", deadline or time.perf_counter() + self.timeout_s)
         return {"time/weight_load_s": max(loads)}
+
+
+class AdapterSync:
+    """A LoRA run's weight sync: each call sends only the actor's adapter, which every engine loads as a new
+    adapter version and uses for its next generate calls (common.rollout.vllm_engine.VllmEngine.load_adapter).
+    The frozen base never changes, so the engines keep the one they loaded at start. The adapter goes once
+    through Ray's object store, whatever --vllm_sync_backend says: it is a few MB (the banner says so)."""
+
+    def __init__(self, actor_group, engines: list, *, timeout_s: float):
+        self.actor, self.engines, self.timeout_s = actor_group, engines, timeout_s
+        self.transport = "ray"
+
+    def _wait(self, refs: list, who, deadline: float):
+        return WeightSync._wait(self, refs, who, deadline)
+
+    def __call__(self, version: int | None = None) -> dict:
+        """Push the adapter as policy `version` (None: the engines count one more); an engine that fails to
+        load it keeps its previous version and refuses to generate, so the run stops with that message."""
+        import ray
+
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        tensors, config = self._wait(self.actor.async_call("adapter_tensors"), "the actor's adapter gather", deadline)[0]
+        ref = ray.put(tensors)  # one copy in the object store for every engine
+        sent = time.perf_counter()
+        loads = self._wait([e.load_adapter.remote(ref, config, version) for e in self.engines],
+                           lambda i: f"vLLM engine {i}", deadline)
+        return {"time/weight_sync_s": time.perf_counter() - t0, "time/weight_load_s": max(loads),
+                "time/adapter_gather_s": sent - t0,
+                "sync/adapter_mb": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20}
+
+    def wait_loaded(self, deadline: float | None = None) -> dict:
+        return {}  # each call waits for its loads
+

@@ -286,7 +286,12 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def save_hf(model, tokenizer, path: str, rank: int, dtype: torch.dtype | None = None) -> None:
-    """Save in Hugging Face format (safetensors). Collective: every rank calls it."""
+    """Save in Hugging Face format (safetensors); a model with a LoRA adapter saves the adapter alone, in
+    peft's format (common.training.lora). Collective: every rank calls it."""
+    from common.training.lora import has_adapter, save_adapter
+
+    if has_adapter(model):
+        return save_adapter(model, tokenizer, path, rank)
     state = full_state_dict(model)
     if rank == 0:
         from common.training.models import head_saved_as

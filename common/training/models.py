@@ -108,10 +108,28 @@ def _load(cls, path: str, what: str, *, dtype, attn_impl: str, **kw):
         raise _not_loadable(what, path, e) from e
 
 
-def load_causal_lm(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa"):
+def _merged(model, adapter: str):
+    """`model` (the base a LoRA run trained on) with the adapter saved at `adapter` merged into its weights."""
+    from peft import PeftConfig, PeftModel
+
+    config = PeftConfig.from_pretrained(adapter)
+    # an SFT adapter under a reward model's body (or the reverse): peft's task wrapper would expect the other head
+    config.task_type = None
+    merged = PeftModel.from_pretrained(model, adapter, config=config).merge_and_unload()
+    return merged.requires_grad_(True)  # peft loads for inference, frozen; a model loaded here is one like any other
+
+
+def load_causal_lm(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa", **kw):
+    """A causal LM; a LoRA run's saved adapter folder loads as its base with the adapter merged in.
+    kw: more from_pretrained arguments (--load_in_4bit's quantization_config)."""
     from transformers import AutoModelForCausalLM
 
-    model = _load(AutoModelForCausalLM, path, "model", dtype=dtype, attn_impl=attn_impl)
+    from common.training.lora import adapter_base
+
+    base = adapter_base(path) if os.path.isdir(path) else None
+    if base:
+        return _merged(load_causal_lm(base, dtype=dtype, attn_impl=attn_impl, **kw), path)
+    model = _load(AutoModelForCausalLM, path, "model", dtype=dtype, attn_impl=attn_impl, **kw)
     model.config.use_cache = False
     return model
 
@@ -168,7 +186,7 @@ def value_head_name(path: str, flag: str = "score") -> tuple[str, str]:
 
 
 def load_reward_model(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa", pad_token_id: int | None = None,
-                      value_head_prefix: str = "score", normalize_reward: bool = False):
+                      value_head_prefix: str = "score", normalize_reward: bool = False, **kw):
     """A scalar-head model: ours (`score`), OpenRLHF's (head `value_head_prefix`), or an LM folder,
     whose head is new (seeded by the caller's torch seed).
 
@@ -177,13 +195,20 @@ def load_reward_model(path: str, *, dtype=torch.float32, attn_impl: str = "sdpa"
     choice (a critic's values too), never the folder's recorded `normalize_reward`."""
     from transformers import AutoModelForSequenceClassification
 
+    from common.training.lora import adapter_base
+
+    base = adapter_base(path) if os.path.isdir(path) else None
+    if base:  # a LoRA reward model: its base, then the adapter and its trained head merged in
+        model = load_reward_model(base, dtype=dtype, attn_impl=attn_impl, pad_token_id=pad_token_id,
+                                  value_head_prefix=value_head_prefix, normalize_reward=normalize_reward, **kw)
+        return _merged(model, path)
     _check_folder(path, "reward model")
     prefix, _ = value_head_name(path, value_head_prefix)
     # The head is `score` in memory whatever its name on disk: transformers' key mapping renames it on
     # load, and `head_saved_as` (common.training.ds.save_hf) on save, so a folder keeps the name it came with.
     mapping = {rf"^{re.escape(prefix)}\.": "score."} if prefix != "score" else None
     model = _load(AutoModelForSequenceClassification, path, "reward model", dtype=dtype,
-                  attn_impl=attn_impl, num_labels=1, key_mapping=mapping)
+                  attn_impl=attn_impl, num_labels=1, key_mapping=mapping, **kw)
     if pad_token_id is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     model.config.use_cache = False

@@ -36,7 +36,7 @@ EXPECT = {
     "train_rm.sh": None,
     "train_dpo_llama.sh": None,
     "train_sft.sh": None,
-    "train_sft_mixtral_lora.sh": "LoRA",
+    "train_sft_mixtral_lora.sh": None,  # its LoRA flags verbatim; --aux_loss_coef dropped, see below
 }
 TARGET = {"train_ppo_ray": "train_ppo", "train_rm": "train_rm", "train_dpo": "train_dpo", "train_sft": "train_sft"}
 
@@ -77,6 +77,11 @@ def test_openrlhf_example_commands(name, ours, args, tmp_path):
     from common.training.tiny import tiny_model_path
 
     args = _swap(args, tmp_path, tiny_model_path())
+    if name == "train_sft_mixtral_lora.sh":
+        # Mixtral's load-balancing loss: on the dense model swapped in, OpenRLHF itself fails reading the output's
+        # aux_loss, and we refuse the flag (no MoE here); the command's LoRA flags stay as written
+        i = args.index("--aux_loss_coef")
+        del args[i:i + 2]
     if ours in ("train_rm", "train_dpo", "train_sft"):
         from common.data.tasks import preference_rows, prompt_rows
 
@@ -97,6 +102,8 @@ def test_openrlhf_example_commands(name, ours, args, tmp_path):
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         if ours in ("train_rm", "train_dpo", "train_sft"):
             assert len(metrics(str(tmp_path / "out"))) == 2
+        if "--lora_rank" in args:  # the saved model is the adapter, in peft's format
+            assert os.path.isfile(tmp_path / "out" / "adapter_config.json")
     else:
         expect = (expect,) if isinstance(expect, str) else expect
         assert p.returncode == 2 and any(e in p.stderr for e in expect), p.stderr[-3000:]

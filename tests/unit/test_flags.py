@@ -79,7 +79,10 @@ USER_PROMPTS = ("--prompt_data", "{prompts}", "--reward_func", os.path.join(ROOT
 SKIP_TEST = "tests/test_reliability.py::test_skip_nonfinite_updates_counts_them_and_resumes_the_count"
 FILTERED = "tests/test_rl.py::test_variants_run"
 
+Q4_TEST = "tests/test_lora.py::test_4bit_is_refused_where_bitsandbytes_cannot_run"
 COMMON = {
+    # without --lora_rank refused at once; with it, refused off CUDA when the model loads (the test's function)
+    "load_in_4bit": (Refused(), Asserted(Q4_TEST, "**quantization(lora, dist.device)")),
     "bf16": Changes("ds"),
     "torch_autocast": (Refused(), Changes("ds", ("--bf16",))),
     "torch_compile": Changes("ds"),
@@ -139,6 +142,7 @@ FLAGS = {
 }
 _RL_FLAGS = {
     **COMMON,
+    "load_in_4bit": (Refused(), Asserted(Q4_TEST, ("common/rl/workers.py", "quantization(lora, self.dist.device)"))),
     "skip_bad_rewards": Asserted("tests/test_rl.py::test_skip_bad_rewards_drops_samples_and_goes_on",
                                  ("common/rl/eval.py", 'a["skip_bad_rewards"]')),
     "flash_attn": Changes("specs"),
@@ -271,6 +275,7 @@ def prompts(tmp_path_factory) -> str:
 def _rl_shell(r: Run):
     """RLRun as its __init__ leaves it for `policy_specs`, without the Ray cluster and the prompts it starts."""
     from common.training import ds
+    from common.training.lora import LoraSettings
     from common.training.models import resolve_pretrain
     from common.rl.run import RLRun
 
@@ -279,6 +284,7 @@ def _rl_shell(r: Run):
     run.a, run.plan, run.pretrain = r.a, plan, resolve_pretrain(r.a["pretrain"])
     run.roles = {role.role: role for role in plan.roles}
     run.settings = ds.DSSettings.from_options(r.a, bf16=r.a["bf16"], fused_adam=r.a["deepspeed_enable_sleep"])
+    run.lora = LoraSettings.from_options(r.a)
     run.total_steps = run.optim_steps = 1
     return run
 

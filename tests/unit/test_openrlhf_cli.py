@@ -106,7 +106,7 @@ def test_translations(args, expect, monkeypatch, tmp_path):
     (["--max_new_tokens", "8", "--generate_max_len", "8"], "two spellings of one limit"),
     (["--max_len", "64", "--prompt_max_len", "32", "--generate_max_len", "32"], "not all three"),
     (["--param_dtype", "fp16"], "use --param_dtype bf16"),
-    (["--lora_rank", "8"], "LoRA is not supported here yet"),
+    (["--ring_attn_size", "2"], "ring attention"),
     (["--async_train"], "--async_train overlaps the vLLM engines' generation with training: add --vllm_num_engines N"),
     (["--async_train", "--vllm_num_engines", "1", "--colocate_all_models", "--vllm_enable_sleep"],
      "neither side can sleep: drop --vllm_enable_sleep, or give the engines GPUs of their own"),
