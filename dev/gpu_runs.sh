@@ -20,6 +20,8 @@
 #   bash dev/gpu_runs.sh ref_flags_3b      # the reference command's flags at 3B: step, and each process against the plan
 #   bash dev/gpu_runs.sh ref_flags_7b      # the same at 7B with --adam_offload --adam_offload_ratio 0.5
 #   bash dev/gpu_runs.sh logprob_gap_3b    # rollout/logprob_diff per way the trainer computes log-probs, 3B
+#   bash dev/gpu_runs.sh lora_7b           # the reference flags at 7B with --lora_rank 16, no --adam_offload
+#   bash dev/gpu_runs.sh lora_decode       # vLLM decoding with a pushed LoRA adapter against the merged weights
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto), OURS (more
 #      train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2), LIMIT (seconds per run),
 #      STEPS, LOGS=0 (keep the bench's table and logs in $WORK only), WORK (scratch: models, runs, logs; /tmp).
@@ -174,6 +176,15 @@ ref_flags_7b)  # the reference command's flags at 7B with half the optimizer in 
     --steps ${STEPS:-3} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
   plan_lines 7b ref_7b
   free -g | tee -a "$OUT/summary.txt"
+  ;;
+lora_7b)  # the reference flags at 7B with a rank-16 LoRA (no --adam_offload): step, peak, adapter sync; sleep level 1
+  LOGS=0 LIMIT=${LIMIT:-440} bench lora_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
+    --steps ${STEPS:-3} --ours_flags "--vllm_sync_backend $SYNC $REF --lora_rank 16 --vllm_sleep_level 1 --micro_rollout_batch_size 16"
+  plan_lines 7b lora_7b
+  ;;
+lora_decode)  # vLLM decoding with a pushed rank-16 adapter against the merged weights, 0.5B
+  timeout ${LIMIT:-300} $PY dev/probes/lora_decode.py --model $M --out "$OUT/lora_decode.json" > "$OUT/lora_decode.txt" 2>&1
+  echo "lora_decode: exit $?"; tail -c 2000 "$OUT/lora_decode.txt"
   ;;
 logprob_gap_3b)  # rollout/logprob_diff per way the trainer computes log-probs (bf16, packed, autocast, fp32), 3B
   [ -d $WORK/bench/model-3b ] || $PY bench/make_model.py --shape 3b --out $WORK/bench/model-3b > /dev/null 2>&1

@@ -132,7 +132,8 @@ class EngineSpec:
                    enable_prefix_caching=a["enable_prefix_caching"], enforce_eager=a["enforce_eager"],
                    enable_sleep=a["vllm_enable_sleep"], seed=a["seed"], per_request_seeds=not plan.use_gpu,
                    tensor_parallel_size=a["vllm_tensor_parallel_size"],
-                   model_runner_v2=plan.use_gpu and runner_v2_suits(config), warmup=plan.use_gpu,
+                   # vLLM's model runner v2 serves no LoRA adapters
+                   model_runner_v2=plan.use_gpu and runner_v2_suits(config) and not a["lora_rank"], warmup=plan.use_gpu,
                    # --async_train: a slot per policy version a queued rollout may still sample from
                    lora_rank=a["lora_rank"], max_loras=1 + (a["async_queue_size"] if a["async_train"] else 0))
 

@@ -100,7 +100,7 @@ class WeightReceiver:
         helper.validate_legal(workers.lora_config)  # rank above max_lora_rank, DoRA, bias: refused here
         model = manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        mapper = mapper.get_rename_mapper() if mapper is not None else None
+        mapper = getattr(mapper, "get_rename_mapper", lambda: mapper)() if mapper is not None else None  # 0.22: no such split
         # A module vLLM has no LoRA layer for would be dropped without a word at activation, serving a
         # different policy than the trainer's: refuse it, as vLLM's loader refuses such a folder.
         expected = set(helper.modules_to_save or ())
@@ -115,8 +115,9 @@ class WeightReceiver:
         lora = LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=workers.lora_config.lora_dtype,
                                            model_vocab_size=workers.vocab_size, weights_mapper=mapper,
                                            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-        manager._validate_modules_to_save(lora)
-        manager._validate_token_classification_lora(lora)
+        for check in ("_validate_modules_to_save", "_validate_token_classification_lora"):  # vLLM 0.32's; 0.22 has none
+            if hasattr(manager, check):
+                getattr(manager, check)(lora)
         manager.remove_adapter(lora_id)  # a second push of one id replaces it
         manager.add_adapter(lora)  # merges q/k/v and gate/up into vLLM's packed layers
         manager.activate_adapter(lora_id)  # copies it into a slot of the LoRA layers, this worker's shard
