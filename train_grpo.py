@@ -44,6 +44,11 @@ def main(
     value_head_prefix: o.ValueHeadPrefix = "score",
     reward_func: o.RewardFunc = None,
     remote_rm_url: o.RemoteRMURL = None,
+    agent_func_path: o.AgentFuncPath = None,
+    max_turns: o.MaxTurns = 0,
+    max_tokens_per_turn: o.MaxTokensPerTurn = 0,
+    agent_timeout: o.AgentTimeout = 300.0,
+    agent_feedback_role: o.AgentFeedbackRole = None,
     skip_bad_rewards: o.SkipBadRewards = False,
     reward_timeout: o.RewardTimeout = 60.0,
     bf16: o.BF16 = False,
@@ -311,7 +316,9 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
         groups_ok = [g for g in range(len(batch_prompts)) if all(g * n + j in usable for j in range(n))]
         if a.dynamic_filtering:  # DAPO: a group whose samples all pass (or all fail) teaches nothing
             low, high = a.dynamic_filtering_reward_range
-            means = scores.view(-1, n).mean(-1)
+            # an agent's episodes filter by their environment's scores (OpenRLHF's), others by the reward
+            filt = torch.tensor(samples.agent["scores"]) if samples.agent is not None else scores
+            means = filt.view(-1, n).mean(-1)
             inside = ((means > low) & (means < high)).tolist()
             metrics["rollout/filtered_groups"] = sum(not inside[g] for g in groups_ok)
             groups_ok = [g for g in groups_ok if inside[g]]
@@ -326,7 +333,7 @@ def train(a: o.Options, plan, derived: list[str]) -> None:
             samples, scores = samples.select(keep), scores[keep]
             batch = make_batch(samples, tokenizer.pad_token_id)
         mask = batch["action_mask"]
-        metrics["rollout/response_len_mean"] = sum(len(r) for r in samples.response_ids) / len(samples)
+        metrics["rollout/response_len_mean"] = sum(samples.model_tokens()) / len(samples)  # an agent's feedback not counted
         metrics["rollout/truncated_frac"] = sum(samples.truncated) / len(samples)
         lag = step - min(samples.versions)  # versions between the weights that sampled and the trainer's
         if a.async_train:

@@ -78,8 +78,6 @@ _RL = {  # train_ppo.py and train_grpo.py
     "max_new_tokens": ("int", None, "impl", "= --generate_max_len"),
     "vllm_sync_with_ray": ("bool", False, "alias:vllm_sync_backend", "= --vllm_sync_backend ray"),
     "vllm_generate_batch_size": ("int", None, "impl", "prompts per vLLM call; above --rollout_batch_size refused (async)"),
-    "agent_func_path": ("str", None, "refuse", "multi-turn agent rollouts are not supported yet; use --reward_func for a "
-                        "single-turn reward"),
     "image_key": ("str", "images", "refuse", VLM),
     "max_images_per_prompt": ("int", 0, "refuse", VLM),
     "freeze_visual_encoder": ("bool", False, "refuse", VLM),

@@ -66,10 +66,17 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
     require(est not in group_estimators or n > 1,
             f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt 2 or more")
     require(a["zero_stage"] in (0, 1, 2, 3), f"--zero_stage {a['zero_stage']}: DeepSpeed ZeRO has stages 0, 1, 2 and 3")
-    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url") if a[k]]
+    sources = [k for k in ("reward_pretrain", "reward_func", "remote_rm_url", "agent_func_path") if a[k]]
     require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
     require(sources or a["prompt_data"] is None,
-            "--prompt_data needs a reward: give --reward_pretrain, --reward_func or --remote_rm_url")
+            "--prompt_data needs a reward: give --reward_pretrain, --reward_func, --remote_rm_url or --agent_func_path")
+    if a["agent_func_path"]:  # the environment rewards; its episodes run on the engines (common.rollout.agent)
+        require(a["vllm_num_engines"] > 0, "--agent_func_path runs its episodes on vLLM engines: add --vllm_num_engines N")
+        require(not a["partial_rollout"], "--partial_rollout with --agent_func_path is not supported yet: an episode's "
+                "turns already take the weight syncs between them under --async_train; drop --partial_rollout")
+    else:
+        for flag, default in (("max_turns", 0), ("max_tokens_per_turn", 0), ("agent_feedback_role", None)):
+            require(a[flag] == default, f"--{flag} shapes a multi-turn agent's episodes: add --agent_func_path or drop it")
     samples = a["rollout_batch_size"] * n
     require(samples % a["train_batch_size"] == 0,
             f"--rollout_batch_size {a['rollout_batch_size']} x --n_samples_per_prompt {n} = {samples} samples must be "

@@ -78,7 +78,8 @@ class RLRun:
         self.tokenizer = load_tokenizer(self.pretrain)
         self.prompts, self.eval_prompts, self.src, self.dropped = load_prompts(a, self.tokenizer)
         # the built-in task's prompts: its rule says which answers are right, whatever the reward source
-        self.task_rule = {"rollout": a["prompt_data"] is None, "eval": a["prompt_data"] is None and not a["eval_dataset"]}
+        builtin = a["prompt_data"] is None and not a["agent_func_path"]  # an agent's episodes hold its feedback too
+        self.task_rule = {"rollout": builtin, "eval": builtin and not a["eval_dataset"]}
         self.history: list[dict] = []  # each step's health metrics, for the summary at the end (common.rl.eval)
         self.health: tuple = ({}, [], [])
         self.steps_per_episode = len(self.prompts) // a["rollout_batch_size"]
@@ -86,6 +87,16 @@ class RLRun:
                 f"{self.src}: {len(self.prompts)} prompts is fewer than --rollout_batch_size {a['rollout_batch_size']}")
         self.total_steps = min(a["max_steps"] or math.inf, self.steps_per_episode * a["num_episodes"])
         self.score_text = text_scorer(a)  # None: the reward model's workers score
+        self.agent, self.agent_limits = None, None
+        if a["agent_func_path"]:  # OpenRLHF's agent file: its environment rewards each episode
+            from common.rollout.agent import Limits, load_executor, role_tokens
+
+            self.agent = load_executor(a["agent_func_path"])
+            role = a["agent_feedback_role"]
+            prefix, suffix = role_tokens(self.tokenizer, role) if role else ([], [])
+            self.agent_limits = Limits(max_turns=a["max_turns"], max_tokens_per_turn=a["max_tokens_per_turn"],
+                                       feedback_prefix=prefix, feedback_suffix=suffix, feedback_role=role,
+                                       step_timeout=a["agent_timeout"])
         # a layout that cannot fit the GPU stops here, before Ray and the models (common/cluster/memory_plan.py)
         self.longest_prompt = max(len(p.prompt_ids) for p in self.prompts)
         longest = self.longest_prompt + a["generate_max_len"]
@@ -190,6 +201,7 @@ class RLRun:
         first = plan.use_gpu and plan.vllm_group in {self.roles[r].group for r in specs}
         n_engines = a["vllm_num_engines"]
         engine_spec = EngineSpec.from_options(a, plan, self.pretrain) if n_engines else None
+        self.engine_max_len = engine_spec.max_model_len if engine_spec else 0  # an agent episode's ceiling
         if first:
             self.engines = start_placed(n_engines, engine_spec, plan, self.pgs, self.actor)
             self.vllm_sleep("sleep", a["vllm_sleep_level"])
@@ -274,6 +286,8 @@ class RLRun:
         from common.rollout.vllm_engine import submit_balanced
 
         ids = [p.prompt_ids for p in batch_prompts]
+        if self.agent is not None:  # multi-turn episodes on the engines, in a thread: collect() waits for them
+            return self._submit_episodes(batch_prompts, sampling, seed, logprobs)
         if self.engines and chunk:
             return submit_chunked(self.engines, ids, dict(sampling, logprobs=logprobs), seed, chunk)
         if self.engines:
@@ -281,10 +295,35 @@ class RLRun:
             return lambda: collect(1800)
         return lambda: generate_on_ranks(self.actor, ids, sampling, seed)
 
+    def _submit_episodes(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool):
+        import concurrent.futures
+
+        from common.rollout.agent import run_episodes
+
+        a = self.a
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        job = pool.submit(run_episodes, self.agent, a["agent_func_path"], batch_prompts,
+                          [p.label for p in batch_prompts], self.engines, self.tokenizer, n=sampling["n"],
+                          temperature=sampling["temperature"], top_p=sampling["top_p"],
+                          # OpenRLHF's budget: the prompt and every turn and feedback of the episode, within
+                          # the engines' context (the model's positions)
+                          max_length=min(a["prompt_max_len"] + a["generate_max_len"], self.engine_max_len),
+                          seed=seed, logprobs=logprobs,
+                          limits=self.agent_limits, timeout_s=1800)
+        pool.shutdown(wait=False)
+        return job.result
+
     def score(self, batch_prompts: list, samples, batch: dict, passed: list | None = None):
         """Scores [N] and the indices of samples whose reward is usable (`passed`, if given, gets each
-        sample's pass flag for pass@k)."""
+        sample's pass flag for pass@k); an agent's episodes score by their environment's rewards."""
         from common.rl.rewards import score_rollout
+
+        if samples.agent is not None:
+            import torch
+
+            if passed is not None:  # right by --eval_correct_threshold (common.rl.eval.pass_metrics)
+                passed[:] = [None] * len(samples)
+            return torch.tensor(samples.agent["rewards"], dtype=torch.float32), list(range(len(samples)))
 
         return score_rollout(batch_prompts, samples, batch, reward_group=self.groups.get("reward"),
                              score_text=self.score_text, tokenizer=self.tokenizer,
@@ -294,6 +333,17 @@ class RLRun:
         """<prefix>/exact_match on the built-in task's prompts (common.rl.eval.task_metrics), else nothing."""
         from common.rl.eval import task_metrics
 
+        if samples.agent is not None:  # an agent's episodes: their turns and the environment's own logs
+            ag, n = samples.agent, len(samples)
+            out = {f"{prefix}/agent_turns_mean": sum(ag["turns"]) / n, f"{prefix}/agent_scores_mean": sum(ag["scores"]) / n}
+            checked = [d for d in ag["drift"] if d is not None]
+            if checked:  # the share of episodes a trainer re-rendering the messages would train differently on
+                out[f"{prefix}/agent_drift_frac"] = sum(checked) / len(checked)
+            for key in sorted({k for logs in ag["extra_logs"] for k in logs}):
+                vals = [float(logs[key]) for logs in ag["extra_logs"] if isinstance(logs.get(key), (int, float))]
+                if vals:
+                    out[f"{prefix}/agent_{key}"] = sum(vals) / len(vals)
+            return out
         if not self.task_rule[prefix]:
             return {}
         texts = self.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)

@@ -24,16 +24,28 @@ class Samples:
     # with --partial_rollout the oldest of its tokens' versions (token_versions: one per response token)
     versions: list[int] | None = None
     token_versions: list[list[int]] | None = None
+    # multi-turn agents (common.rollout.agent): 1 on the model's response tokens, 0 on the environment's
+    # (masked out of the loss, no log-prob, not counted as length); None: every response token is the model's
+    response_mask: list[list[int]] | None = None
+    agent: dict | None = None  # per-sample lists from the environment: rewards, scores, turns, extra_logs
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def model_tokens(self) -> list[int]:
+        """Each sample's count of tokens the model generated (the environment's excluded)."""
+        if self.response_mask is None:
+            return [len(r) for r in self.response_ids]
+        return [sum(m) for m in self.response_mask]
 
     def select(self, keep: list[int]) -> "Samples":
         def pick(values):
             return None if values is None else [values[i] for i in keep]
 
+        agent = None if self.agent is None else {k: pick(v) for k, v in self.agent.items()}
         return Samples(pick(self.prompt_ids), pick(self.response_ids), pick(self.prompt_index), pick(self.truncated),
-                       pick(self.logprobs), versions=pick(self.versions), token_versions=pick(self.token_versions))
+                       pick(self.logprobs), versions=pick(self.versions), token_versions=pick(self.token_versions),
+                       response_mask=pick(self.response_mask), agent=agent)
 
 
 def merge_shards(parts: list[tuple[int, Samples]]) -> Samples:
@@ -74,6 +86,11 @@ def make_batch(samples: Samples, pad_id: int) -> dict[str, torch.Tensor]:
     ids[attn.bool()] = torch.tensor(flat, dtype=torch.long)
     acts = (cols[None, :-1] >= plen[:, None] - 1) & (cols[None, :-1] < lens[:, None] - 1)
     action = acts.float()
+    if samples.response_mask is not None:  # an agent's environment tokens: no loss, no advantage, no KL
+        flat_mask: list[int] = []
+        for m in samples.response_mask:
+            flat_mask.extend(m)
+        action[acts] = torch.tensor(flat_mask, dtype=torch.float32)
     gen_lp = None
     if samples.logprobs is not None:
         bad = [i for i, (lp, r) in enumerate(zip(samples.logprobs, samples.response_ids)) if len(lp) != len(r)]

@@ -208,7 +208,11 @@ class VllmEngine:
                        enforce_eager=spec.enforce_eager, enable_sleep_mode=spec.enable_sleep, seed=spec.seed + index,
                        max_num_seqs=spec.max_num_seqs, logprobs_mode="processed_logprobs",
                        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
-                       worker_extension_cls="common.rollout.vllm_worker.WeightReceiver", **lora)
+                       worker_extension_cls="common.rollout.vllm_worker.WeightReceiver", **lora,
+                       # vLLM-CPU cannot rewind a request's seeded generator when it splits a prompt over steps
+                       # ("CPU Generator does not use offset"): a batch of prompts past the token budget (4096),
+                       # which an agent's many separate episodes reach, would fail
+                       **({"enable_chunked_prefill": False} if spec.per_request_seeds else {}))
         clock_time_gc()
         # vLLM's model runs in this process only with the in-process engine on one device
         self.timing_jit = not self.core_process and tp == 1 and clock_time_jit()
@@ -272,10 +276,13 @@ class VllmEngine:
         # One seed per request: the same seed on every request would give every prompt the same noise.
         # flat_logprobs: a few flat lists per sample instead of a dict and an object per token (fewer
         # objects; on the 0.5B bench no faster, 0.899 against 0.902 s: dev/LOG.md).
+        # an agent's requests (common.rollout.agent): each its own remaining budget and its own seed
+        each = sampling.get("max_new_tokens_each") or [sampling["max_new_tokens"]] * len(prompt_ids)
+        seeds = sampling.get("seeds") or [seed + i for i in range(len(prompt_ids))]
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else sampling["temperature"],
-                                 top_p=sampling["top_p"], max_tokens=sampling["max_new_tokens"],
+                                 top_p=sampling["top_p"], max_tokens=each[i],
                                  logprobs=0 if want_lp else None, flat_logprobs=True, detokenize=False,
-                                 seed=seed + i if self.spec.per_request_seeds and not greedy else None)
+                                 seed=seeds[i] if self.spec.per_request_seeds and not greedy else None)
                   for i in range(len(prompt_ids))]
         # The engine's host work per decode step is what bounds a small model's generation: its CPU
         # seconds, the garbage collector's and Triton's compiles say whether a slow call was starved
@@ -458,7 +465,12 @@ def submit_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, 
     An engine runs its calls one at a time in the order the driver made them, so calls made before a
     weight sync generate with the weights from before it (--async_train, common.rollout.queue)."""
     bounds, used = shard_bounds(len(prompt_ids), len(engines))
-    refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
+    per_prompt = [k for k in ("max_new_tokens_each", "seeds") if sampling.get(k)]  # an agent's: sliced with the prompts
+
+    def shard(i: int) -> dict:
+        return dict(sampling, **{k: sampling[k][bounds[i]:bounds[i + 1]] for k in per_prompt})
+
+    refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], shard(i), seed + 7919 * i) for i in used]
 
     def collect(timeout_s: float):
         from common.cluster.ray_groups import get
