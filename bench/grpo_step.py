@@ -111,6 +111,10 @@ def main(
         "these flags instead of --ours_flags (e.g. \"--static_kv_cache --torch_compile\"): one table, both ratios.")] = None,
     ours_env: Annotated[str, typer.Option(
         "--ours_env", "--ours-env", help="Environment for our run only, as NAME=VALUE words (TRL runs without).")] = "",
+    lora_rank: Annotated[int, typer.Option(
+        "--lora_rank", "--lora-rank", min=0, help="Both sides train a LoRA adapter of this rank on every linear layer, "
+        "alpha twice the rank (ours --lora_rank, TRL a peft LoraConfig), the reference being the base with the "
+        "adapter off on both; 0: full weights.")] = 0,
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
     out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
 ):
@@ -126,7 +130,7 @@ def main(
                share_prompt_prefix=(shape == "tiny" and not gradient_checkpointing) if share_prompt_prefix is None
                else share_prompt_prefix,
                trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split(),
-               is_correction=is_correction,
+               is_correction=is_correction, lora_rank=lora_rank,
                ours_env=dict(w.split("=", 1) for w in ours_env.split()))
     if shape != "tiny":
         job["prompt_file"] = _prompt_file(work_dir)
@@ -327,6 +331,8 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
             cmd += ["--colocate_all_models", "--vllm_gpu_memory_utilization", "0.3"]
     elif job["gpu"]:
         cmd += ["--colocate_actor_ref"]
+    if job.get("lora_rank"):
+        cmd += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(2 * job["lora_rank"])]
     cmd += job["ours_flags"]
     name = ("ours (vLLM, --async_train)" if "--async_train" in job["ours_flags"] else "ours (vLLM)") if job["vllm"] else "ours (static KV cache)" if "--static_kv_cache" in job["ours_flags"] else "ours (HF generate)"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
@@ -510,8 +516,14 @@ def _trl_worker(spec_path: str) -> None:
         temperature=1.0, disable_tqdm=True, use_cpu=not job["gpu"],
         model_init_kwargs={"dtype": torch.float32},  # fp32 master weights, as ours keeps under DeepSpeed bf16
     )
+    peft = None
+    if job.get("lora_rank"):  # the same adapter as ours; TRL's reference is then the base with the adapter off
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=job["lora_rank"], lora_alpha=2 * job["lora_rank"], target_modules="all-linear",
+                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     trainer = Counted(model=job["model"], reward_funcs=reward, args=config, train_dataset=dataset,
-                      callbacks=[StepTimer()])
+                      callbacks=[StepTimer()], peft_config=peft)
     if job["vllm"] and not job.get("is_correction", True):
         _no_sampler_logprobs(trainer.vllm_generation)
     trainer.train()

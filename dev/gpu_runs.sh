@@ -22,6 +22,7 @@
 #   bash dev/gpu_runs.sh logprob_gap_3b    # rollout/logprob_diff per way the trainer computes log-probs, 3B
 #   bash dev/gpu_runs.sh lora_7b           # the reference flags at 7B with --lora_rank 16, no --adam_offload
 #   bash dev/gpu_runs.sh lora_decode       # vLLM decoding with a pushed LoRA adapter against the merged weights
+#   bash dev/gpu_runs.sh lora_trl_05b      # the GRPO step against TRL, the same rank-16 LoRA on both sides (and _15b)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto), OURS (more
 #      train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2), LIMIT (seconds per run),
 #      STEPS, LOGS=0 (keep the bench's table and logs in $WORK only), WORK (scratch: models, runs, logs; /tmp).
@@ -181,6 +182,11 @@ lora_7b)  # the reference flags at 7B with a rank-16 LoRA (no --adam_offload): s
   LOGS=0 LIMIT=${LIMIT:-440} bench lora_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
     --steps ${STEPS:-3} --ours_flags "--vllm_sync_backend $SYNC $REF --lora_rank 16 --vllm_sleep_level 1 --micro_rollout_batch_size 16"
   plan_lines 7b lora_7b
+  ;;
+lora_trl_05b|lora_trl_15b)  # GRPO step against TRL with the same rank-16 LoRA on both sides (TRL: its peft_config)
+  shape=${1#lora_trl_}; shape=${shape/05b/0.5b}; shape=${shape/15b/1.5b}
+  LOGS=0 LIMIT=${LIMIT:-300} bench "$1" --shape $shape --vllm --lora_rank 16 --micro_batch 32 --warmup 2 --steps 4 \
+    --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 lora_decode)  # vLLM decoding with a pushed rank-16 adapter against the merged weights, 0.5B
   timeout ${LIMIT:-300} $PY dev/probes/lora_decode.py --model $M --out "$OUT/lora_decode.json" > "$OUT/lora_decode.txt" 2>&1
