@@ -303,8 +303,10 @@ def test_pipeline_8b_dry_run_prints_the_three_submissions():
 def test_pipeline_8b_stops_naming_the_stage_when_sbatch_fails(tmp_path):
     """An sbatch that fails (no Slurm here, or a partition Slurm refuses) stops the pipeline with a
     non-zero exit naming the stage; before, it went on and printed empty job ids with exit 0."""
+    # an empty slurm.conf: sbatch fails at once (a missing one it retries for 60 s)
+    (tmp_path / "slurm.conf").write_text("")
     p = _pipeline(cwd=_checkout(tmp_path), SBATCH_FLAGS="--partition=no-such-partition",
-                  SLURM_CONF="/nonexistent/slurm.conf")
+                  SLURM_CONF=str(tmp_path / "slurm.conf"))
     assert p.returncode != 0, p.stdout + p.stderr
     assert "pipeline_8b: sbatch failed for the sft stage" in p.stderr and "no job was submitted" in p.stderr, p.stderr
     assert "-> rm job" not in p.stdout, p.stdout
@@ -351,25 +353,6 @@ def _start_requeued_now(slurm, job: str) -> None:
     _sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
 
 
-def test_debug_tiny_trains_grpo_through_a_two_node_ray_cluster(slurm, tmp_path):
-    save = tmp_path / "grpo"
-    # The node twice: a Ray head and a Ray worker started through srun, as on two machines.
-    job = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "slurm/debug_tiny.sh", "--save_path", str(save),
-                       "--max_steps", "3", wait=True,
-                       env_extra=_job_env(tmp_path) | {"RAY_NODES": f"{slurm.host} {slurm.host}"})
-    out = slurm.job_output(job)
-    assert re.search(r"ray_cluster: ready at \S+: 2/2 nodes", out), out
-    assert "ray_cluster: worker on" in out, out
-    assert _steps(save) == [1, 2, 3]
-    _assert_model_written(save)
-    assert os.path.isdir(save / "checkpoints"), os.listdir(save)
-    # The helper stopped its Ray (and only its own) and removed its temp folder after the clean run.
-    temp = f"/tmp/ray-{job}-0"
-    assert not os.path.exists(temp)
-    leftovers = _sh(["pgrep", "-f", temp]).stdout.split()
-    assert not leftovers, f"Ray processes of job {job} still running: {leftovers}"
-
-
 def test_ray_helper_fails_fast_when_a_node_cannot_join(slurm, tmp_path):
     save = tmp_path / "grpo"
     start = time.monotonic()
@@ -379,7 +362,9 @@ def test_ray_helper_fails_fast_when_a_node_cannot_join(slurm, tmp_path):
     assert state == "FAILED", (state, out)
     # Noticed when the worker's srun died, long before the 300 s start timeout; the driver never ran.
     assert time.monotonic() - start < 120, out
-    assert re.search(r"ray_cluster: a Ray start process \(pid \d+\) ended early with 1/2 nodes", out), out
+    # (on a box too busy for Ray's fixed 30 s node registration, the head's own start fails first: also fast and named)
+    assert re.search(r"ray_cluster: a Ray start process \(pid \d+\) ended early with 1/2 nodes"
+                     r"|ray_cluster: the Ray head exited while starting", out), out
     assert "ray_cluster: stopping Ray" in out and not save.exists(), out
     temp = f"/tmp/ray-{job}-0"
     assert f"Ray's logs are in {temp}/session_latest/logs" in out, out  # kept after a failure
@@ -414,21 +399,12 @@ def test_templates_find_the_venv_from_a_shell_without_it(slurm, tmp_path):
     assert "PYTHON=/path/to/venv/bin/python sbatch" in out, out
 
 
-def test_rm_8b_trains_with_two_ranks_started_by_srun(slurm, tmp_path):
-    save = tmp_path / "rm"
-    job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", "3",
-                       "--save_path", str(save), env_extra=_job_env(tmp_path))
-    state, out = slurm.finish(job), slurm.job_output(job)
-    assert state == "COMPLETED", f"{state}\n{out}\n{slurm.logs()}"
-    assert "2 ranks on" in out and "world size: 2" in out, out
-    assert "batch: 8 = 4 x 1 accum x 2 ranks" in out, out
-    assert _steps(save) == [1, 2, 3]
-    _assert_model_written(save)
-
-
-def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
-    save, total = tmp_path / "dpo", 16
-    job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=1), "slurm/dpo_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
+def test_rm_8b_two_ranks_requeued_resume_from_their_checkpoint(slurm, tmp_path):
+    """rm_8b.sh with two ranks started by srun (no launcher), requeued mid-run: both ranks stop at the same
+    step, save there, and the requeued job resumes from that checkpoint. (Merged: the two-rank run and the
+    requeue of a one-rank DPO job.)"""
+    save, total = tmp_path / "rm", 16
+    job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
                        "--save_steps", "2", "--save_path", str(save), env_extra=_job_env(tmp_path))
     _wait("the first checkpoint", lambda: glob.glob(str(save / "checkpoints" / "step*")), timeout=300, every=0.3)
     assert slurm.job(job)["JobState"] == "RUNNING", slurm.job_output(job)
@@ -438,6 +414,8 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     state, out = slurm.finish(job), slurm.job_output(job)
     assert state == "COMPLETED", f"{state}\n{out}\n{slurm.logs()}"
     assert slurm.job(job)["Restarts"] == "1"
+    assert "2 ranks on" in out and "world size: 2" in out, out
+    assert "batch: 8 = 4 x 1 accum x 2 ranks" in out, out
     # --open-mode=append: both runs are in the log. Requeue sends SIGTERM: the first run finished
     # its step, saved a checkpoint there and stopped; the second run resumed from that checkpoint.
     assert "restart 0," in out and "restart 1," in out, out
@@ -452,11 +430,15 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     _assert_model_written(save)
 
 
-def test_time_limit_warning_checkpoints_the_ray_job_and_requeues_it(slurm, tmp_path):
+def test_time_limit_warning_checkpoints_a_two_node_ray_job_and_requeues_it(slurm, tmp_path):
+    """debug_tiny.sh trains GRPO through a two-node Ray cluster (this node twice: a Ray head, and a Ray
+    worker started through srun, as on two machines); the time-limit warning makes it checkpoint, stop
+    its Ray and requeue, and the second run resumes there. (Merged: the two-node run that ended cleanly.)"""
     save, total = tmp_path / "grpo", 12  # steps of ~0.5 s: room for the signal to land before the last
     # --save_steps 100: no periodic checkpoint, so the only one is the one the warning asks for.
     job = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "slurm/debug_tiny.sh", "--save_path", str(save),
-                       "--max_steps", str(total), "--save_steps", "100", env_extra=_job_env(tmp_path))
+                       "--max_steps", str(total), "--save_steps", "100",
+                       env_extra=_job_env(tmp_path) | {"RAY_NODES": f"{slurm.host} {slurm.host}"})
     log = save / "metrics.jsonl"
     _wait("two logged steps", lambda: log.exists() and log.read_text().count("\n") >= 2, timeout=300, every=0.3)
     # What `#SBATCH --signal=B:USR1@120` sends 2 min before the time limit: USR1 to the batch shell alone.
@@ -471,6 +453,9 @@ def test_time_limit_warning_checkpoints_the_ray_job_and_requeues_it(slurm, tmp_p
     assert ckpt.is_dir(), out
     assert re.findall(r"resumed from: (\S+)", out) == ["-", str(ckpt)], out
     assert _steps(save) == list(range(1, total + 1))  # each step once: none redone, none lost
+    assert len(re.findall(r"ray_cluster: ready at \S+: 2/2 nodes", out)) == 2, out  # both runs, both nodes
+    assert "ray_cluster: worker on" in out, out
+    _assert_model_written(save)
     # Both runs stopped their Ray cleanly (temp folders removed) and left no process behind.
     assert not glob.glob(f"/tmp/ray-{job}-*"), out
     assert not _sh(["pgrep", "-f", f"/tmp/ray-{job}-"]).stdout.split(), f"Ray processes of job {job} still running"
