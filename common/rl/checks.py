@@ -72,8 +72,10 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
             "--prompt_data needs a reward: give --reward_pretrain, --reward_func, --remote_rm_url or --agent_func_path")
     if a["agent_func_path"]:  # the environment rewards; its episodes run on the engines (common.rollout.agent)
         require(a["vllm_num_engines"] > 0, "--agent_func_path runs its episodes on vLLM engines: add --vllm_num_engines N")
-        require(not a["partial_rollout"], "--partial_rollout with --agent_func_path is not supported yet: an episode's "
-                "turns already take the weight syncs between them under --async_train; drop --partial_rollout")
+        # --partial_rollout: a sync lands between two turns of an episode (each turn one engine call), not inside one
+        require(not a["partial_rollout"] or a["partial_rollout_chunk"] == 64,
+                "--partial_rollout_chunk does not apply with --agent_func_path: a weight sync lands between two turns "
+                "of an episode (cap a turn with --max_tokens_per_turn instead); drop --partial_rollout_chunk")
     else:
         for flag, default in (("max_turns", 0), ("max_tokens_per_turn", 0), ("agent_feedback_role", None)):
             require(a[flag] == default, f"--{flag} shapes a multi-turn agent's episodes: add --agent_func_path or drop it")

@@ -287,7 +287,7 @@ class RLRun:
 
         ids = [p.prompt_ids for p in batch_prompts]
         if self.agent is not None:  # multi-turn episodes on the engines, in a thread: collect() waits for them
-            return self._submit_episodes(batch_prompts, sampling, seed, logprobs)
+            return self._submit_episodes(batch_prompts, sampling, seed, logprobs, per_token_versions=chunk > 0)
         if self.engines and chunk:
             return submit_chunked(self.engines, ids, dict(sampling, logprobs=logprobs), seed, chunk)
         if self.engines:
@@ -295,7 +295,8 @@ class RLRun:
             return lambda: collect(1800)
         return lambda: generate_on_ranks(self.actor, ids, sampling, seed)
 
-    def _submit_episodes(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool):
+    def _submit_episodes(self, batch_prompts: list, sampling: dict, seed: int, logprobs: bool,
+                         per_token_versions: bool = False):
         import concurrent.futures
 
         from common.rollout.agent import run_episodes
@@ -309,7 +310,7 @@ class RLRun:
                           # the engines' context (the model's positions)
                           max_length=min(a["prompt_max_len"] + a["generate_max_len"], self.engine_max_len),
                           seed=seed, logprobs=logprobs,
-                          limits=self.agent_limits, timeout_s=1800)
+                          limits=self.agent_limits, timeout_s=1800, per_token_versions=per_token_versions)
         pool.shutdown(wait=False)
         return job.result
 

@@ -380,11 +380,28 @@ class _EngineClient:
         return result
 
 
+def turn_versions(ranges: list, start: int, length: int, versions: list[int]) -> list[int] | None:
+    """One policy version per response token of an episode: a turn's tokens (`ranges`: [a, b) in the
+    whole sequence, the response starting at `start`, `length` tokens in all) carry the version that
+    sampled that turn (`versions`, one per engine call, in order); the environment's tokens after a turn
+    carry that turn's. None when the calls and the turns do not pair up (an executor that calls the
+    engine more or less often than it records actions)."""
+    if not versions or len(versions) != len(ranges):
+        return None
+    out, pos, v = [], start, versions[0]
+    for (a, b), ver in zip(ranges, versions):
+        out += [v] * (a - pos) + [ver] * (b - a)
+        pos, v = b, ver
+    return out + [v] * (start + length - pos)
+
+
 def run_episodes(executor, path: str, prompts: list, labels: list, engines: list, tokenizer, *, n: int,
                  temperature: float, top_p: float, max_length: int, seed: int, logprobs: bool,
-                 limits: Limits, window_s: float = 0.02, timeout_s: float = 1800):
+                 limits: Limits, window_s: float = 0.02, timeout_s: float = 1800, per_token_versions: bool = False):
     """`n` episodes per prompt (prompts: the rendered texts, with their ids in `prompt_ids`), all at once.
-    Returns Samples (response_mask: 1 on the model's tokens) with extra["agent"]: rewards, scores, turns."""
+    Returns Samples (response_mask: 1 on the model's tokens) with extra["agent"]: rewards, scores, turns.
+    With `per_token_versions` (--partial_rollout: a weight sync may land between two turns, each turn
+    being one engine call), also `token_versions`, each token tagged with the weights of its turn."""
     from common.rollout.samples import Samples
 
     if isinstance(executor, MultiTurnAgentExecutor) or hasattr(executor, "limits"):
@@ -417,7 +434,8 @@ def run_episodes(executor, path: str, prompts: list, labels: list, engines: list
             except Exception as e:
                 raise UserError(f"--agent_func_path {path}: episode {k} (prompt {jobs[k][0]}) raised "
                                 f"{one_line(e)}") from None
-    s = Samples([], [], [], [], [] if logprobs else None, extra={}, versions=[], response_mask=[])
+    s = Samples([], [], [], [], [] if logprobs else None, extra={}, versions=[], response_mask=[],
+                token_versions=[] if per_token_versions else None)
     rewards, scores, turns, logs, drifts = [], [], [], [], []
     for k, (r, versions) in enumerate(results):
         if not isinstance(r, dict):
@@ -431,6 +449,9 @@ def run_episodes(executor, path: str, prompts: list, labels: list, engines: list
         mask = [0] * (len(tokens) - start)
         for a, b in ranges:
             mask[a - start:b - start] = [1] * (b - a)
+        if per_token_versions:
+            tv = turn_versions(ranges, start, len(tokens) - start, versions)
+            s.token_versions.append(tv if tv is not None else [s.versions[-1]] * (len(tokens) - start))
         s.prompt_ids.append(tokens[:start])
         s.response_ids.append(tokens[start:])
         s.response_mask.append(mask)

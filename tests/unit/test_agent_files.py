@@ -78,3 +78,11 @@ def test_drift_is_reported_on_a_template_that_drops_earlier_reasoning(tok):
     first = "<think>the words</think>red cat"
     response = enc(first) + [eos] + prefix[1:] + enc("Again") + suffix + enc("red cat") + [eos]
     assert A.drift(t, "user", [first, "red cat"], ["Again"], response)
+
+
+def test_turn_versions_tag_each_turn_and_its_feedback():
+    # prompt of 3 tokens; turn 1 = [3, 5), feedback [5, 7), turn 2 = [7, 10), feedback [10, 11)
+    assert A.turn_versions([(3, 5), (7, 10)], 3, 8, [4, 5]) == [4, 4, 4, 4, 5, 5, 5, 5]
+    assert A.turn_versions([(3, 5)], 3, 2, [7]) == [7, 7]
+    # an executor whose engine calls and recorded actions do not pair up: no per-token answer
+    assert A.turn_versions([(3, 5), (7, 10)], 3, 8, [4]) is None and A.turn_versions([], 3, 0, []) is None

@@ -132,3 +132,16 @@ def test_wandb_key_goes_to_the_environment_only(monkeypatch, tmp_path):
     code, out, a = _invoke("train_rm", ["--use_wandb", "SECRET123", "--save_path", str(tmp_path)], monkeypatch)
     assert code == 0 and os.environ.get("WANDB_API_KEY") == "SECRET123"
     assert a["use_wandb"] == "env" and "SECRET123" not in json.dumps(a, default=str)
+
+
+@pytest.mark.parametrize("name", ["train_ppo", "train_grpo"])
+def test_partial_rollout_with_an_agent_syncs_between_turns(name, monkeypatch, tmp_path):
+    """--partial_rollout with --agent_func_path: a sync lands between two turns, so a chunk size has nothing
+    to cut and is refused when given; the default goes through."""
+    agent = ["--agent_func_path", os.path.join(ROOT, "examples", "agent_copy_openrlhf.py"), "--async_train",
+             "--partial_rollout", "--vllm_num_engines", "1", "--save_path", str(tmp_path)]
+    code, out, a = _invoke(name, [*agent, "--partial_rollout_chunk", "16"], monkeypatch)
+    assert code == 2 and out.startswith("error: --partial_rollout_chunk does not apply with --agent_func_path: a weight "
+                                        "sync lands between two turns of an episode"), out
+    code, out, a = _invoke(name, agent, monkeypatch)
+    assert code == 0 and a["partial_rollout"], out
