@@ -24,6 +24,7 @@
 #   bash dev/gpu_runs.sh lora_decode       # vLLM decoding with a pushed LoRA adapter against the merged weights
 #   bash dev/gpu_runs.sh lora_trl_05b      # the GRPO step against TRL, the same rank-16 LoRA on both sides (and _15b)
 #   bash dev/gpu_runs.sh real_05b          # the GRPO step at 32 prompts x 8 samples x 1024 tokens, micro 32, against TRL (and _15b, _3b)
+#   bash dev/gpu_runs.sh agents_05b        # multi-turn episodes at 0.5B: turns/s and tokens/s, without and with a 50 ms environment
 #   bash dev/gpu_runs.sh real_05b_openrlhf # the same work against OpenRLHF 0.11.2's train_ppo_ray (its hybrid engine)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto), OURS (more
 #      train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2), LIMIT (seconds per run),
@@ -199,6 +200,27 @@ real_05b_openrlhf)  # the same work, ours against OpenRLHF 0.11.2 (pip install -
   LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm --no-trl --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
+agents_05b)  # multi-turn episodes at 0.5B (the random model never copies: every episode runs its 3 turns),
+  # without and with a 50 ms environment step; turns/s and tokens/s come from the metrics
+  prompts
+  AG=(--pretrain $M --prompt_data $WORK/prompts.jsonl --input_key prompt --label_key label --apply_chat_template
+      --agent_func_path dev/probes/agent_latency.py --agent_feedback_role user
+      --max_turns 3 --max_tokens_per_turn 128 --vllm_num_engines 1 --colocate_all_models --vllm_gpu_memory_utilization 0.3
+      --rollout_batch_size 8 --n_samples_per_prompt 8 --generate_max_len 512 --train_batch_size 64
+      --micro_train_batch_size 32 --micro_rollout_batch_size 32 --max_steps ${STEPS:-6} --eval_steps -1 --bf16)
+  AGENT_STEP_LATENCY_S=0 LIMIT=${LIMIT:-250} run agents_05b_0ms train_grpo.py "${AG[@]}"
+  AGENT_STEP_LATENCY_S=0.05 LIMIT=${LIMIT:-250} run agents_05b_50ms train_grpo.py "${AG[@]}"
+  for m in 0ms 50ms; do $PY - "$OUT/agents_05b_$m/metrics.jsonl" $m <<'PYEOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][2:]  # after two warm-up steps
+med = lambda k: statistics.median(r[k] for r in rows if k in r)
+n = 64
+print(f"{sys.argv[2]}: step {med('time/step_s'):.2f} s, generate {med('time/generate_s'):.2f} s, "
+      f"turns/s {n * med('rollout/agent_turns_mean') / med('time/generate_s'):.1f}, "
+      f"model tokens/s {n * med('rollout/response_len_mean') / med('time/generate_s'):.0f}")
+PYEOF
+  done
+  ;;
 lora_decode)  # vLLM decoding with a pushed rank-16 adapter against the merged weights, 0.5B
   timeout ${LIMIT:-300} $PY dev/probes/lora_decode.py --model $M --out "$OUT/lora_decode.json" > "$OUT/lora_decode.txt" 2>&1
   echo "lora_decode: exit $?"; tail -c 2000 "$OUT/lora_decode.txt"
@@ -208,5 +230,5 @@ logprob_gap_3b)  # rollout/logprob_diff per way the trainer computes log-probs (
   timeout ${LIMIT:-150} $PY dev/probes/logprob_gap.py --model $WORK/bench/model-3b --out "$OUT/logprob_gap_3b.json" > "$OUT/logprob_gap_3b.txt" 2>&1
   echo "logprob_gap: exit $?" | tee -a "$OUT/summary.txt"; tail -8 "$OUT/logprob_gap_3b.txt"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b|lora_7b|lora_decode|lora_trl_05b|lora_trl_15b|real_05b|real_15b|real_3b|real_05b_openrlhf" >&2; exit 2 ;;
+*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b|lora_7b|lora_decode|lora_trl_05b|lora_trl_15b|real_05b|real_15b|real_3b|real_05b_openrlhf|agents_05b" >&2; exit 2 ;;
 esac
