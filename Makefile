@@ -4,6 +4,7 @@
 #   make test   -> installs into .venv, then runs the whole test suite (what .ci/run calls)
 #   make test-unit -> the unit tests alone (no processes): the quick loop
 #   make bench  -> one GRPO step of ours against TRL's GRPOTrainer on the same work, as a table, and ours with --async_train
+#                  and with a rank-8 LoRA adapter
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -96,20 +97,21 @@ pipeline: install
 	  --stop_properly_penalty_coef -2 --prompt_max_len 1024 --generate_max_len 12 --eval_steps 8 \
 	  --best_metric_key eval/exact_match
 
-# Three workers, a file each at a time: most of an end-to-end test is processes starting and waiting on
-# each other (2 workers kept about one core busy: 25 min of CPU in 23:47 wall; 3 workers, 21 in 22:33; four
-# made the Slurm time-limit test miss its 300 s window: 2026-12-05).
+# Three workers, a file each at a time (four made the Slurm time-limit test miss its 300 s window). The two
+# cores are then busy ~90% of the time, with more runnable threads than cores: OpenMP threads that wait
+# passively instead of spinning take ~10% off the whole suite (24:21 -> 21:46 together with merged Slurm
+# jobs, 2026-12-05). The scripts' own default (a short spin, common/cpu_threads.py) gives way to it.
 # tests/unit/: no processes (its conftest refuses a spawn), about 30 s on 2 cores; tests/e2e/: scripts, Ray, vLLM, Slurm.
 test-unit: install
-	$(BIN)/python -m pytest tests/unit -q -n 2
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests/unit -q -n 2
 
 test: install $(VENV)/.test-peers
-	$(BIN)/python -m pytest tests -x -q --durations=15 -n 3 --dist loadfile
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -x -q --durations=15 -n 3 --dist loadfile
 
 # TRL is the `bench` extra only, never a runtime dependency; --no-deps keeps our pinned stack as is.
 bench: install
 	$(BIN)/pip install -q --no-deps "trl==1.16.0"
-	$(BIN)/python bench/grpo_step.py --shape tiny --vllm --async
+	$(BIN)/python bench/grpo_step.py --shape tiny --vllm --async --ours_lora 8
 
 clean:
 	rm -rf $(VENV)

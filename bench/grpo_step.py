@@ -125,6 +125,10 @@ def main(
         "--lora_rank", "--lora-rank", min=0, help="Both sides train a LoRA adapter of this rank on every linear layer, "
         "alpha twice the rank (ours --lora_rank, TRL a peft LoraConfig), the reference being the base with the "
         "adapter off on both; 0: full weights.")] = 0,
+    ours_lora: Annotated[int, typer.Option(
+        "--ours_lora", "--ours-lora", min=0, help="Also run ours with a LoRA adapter of this rank (alpha twice the "
+        "rank, the reference its base with the adapter off) beside the full-weight row, in the same table; the "
+        "peers train full weights there, so that row has no ratio (for LoRA against TRL's LoRA: --lora_rank).")] = 0,
     timeout: Annotated[float, typer.Option(help="Seconds each side may run.")] = 600.0,
     out: Annotated[str, typer.Option(help="Also write the figures to this JSON file.")] = None,
 ):
@@ -163,9 +167,13 @@ def main(
     if async_train:  # the same work, the engine one rollout ahead of the trainer (--async_queue_size 1)
         rows.append(_run_ours(dict(ours_job, ours_flags=job["ours_flags"] + ["--async_train"]),
                               os.path.join(work_dir, f"ours-{shape}-async"), timeout))
+    if ours_lora:
+        lora_row = _run_ours(dict(ours_job, lora_rank=ours_lora), os.path.join(work_dir, f"ours-{shape}-lora"), timeout)
+        lora_row["note"] = f"LoRA rank {ours_lora}: not the peers' work (they train full weights here)"
+        rows.append(lora_row)
     if ours_alt is not None:
         rows.append(_run_ours(dict(job, vllm=False, ours_flags=ours_alt.split()), os.path.join(work_dir, f"ours-{shape}-alt"), timeout))
-    ours_rows = list(rows)
+    ours_rows = [r for r in rows if "LoRA rank" not in r.get("note", "")]
     trl_row = orl_row = None
     if trl:
         trl_row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
@@ -182,7 +190,7 @@ def main(
     for r in rows:
         base = r if r in ours_rows else rows[0]
         for key, peer in (("", trl_row), ("orl_", orl_row)):
-            if peer is None or (r is not peer and r not in ours_rows):
+            if peer is None or (r is not peer and r not in ours_rows):  # our LoRA row: other work
                 continue
             r[f"{key}ratio"] = _over(peer.get("step_s"), base.get("step_s"))
             r[f"{key}mem_ratio"] = _over(peer.get("gpu_peak_gb"), base.get("gpu_peak_gb"))
@@ -369,6 +377,8 @@ def _run_ours(job: dict, save_path: str, timeout: float) -> dict:
         cmd += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(2 * job["lora_rank"])]
     cmd += job["ours_flags"]
     name = ("ours (vLLM, --async_train)" if "--async_train" in job["ours_flags"] else "ours (vLLM)") if job["vllm"] else "ours (static KV cache)" if "--static_kv_cache" in job["ours_flags"] else "ours (HF generate)"
+    if job.get("lora_rank"):
+        name = name[:-1] + f", LoRA r{job['lora_rank']})"
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     log = save_path + ".log"
     rc, wall, mem = _run(cmd, log, timeout, job["gpu"], **job.get("ours_env", {}))

@@ -403,7 +403,7 @@ def test_rm_8b_two_ranks_requeued_resume_from_their_checkpoint(slurm, tmp_path):
     """rm_8b.sh with two ranks started by srun (no launcher), requeued mid-run: both ranks stop at the same
     step, save there, and the requeued job resumes from that checkpoint. (Merged: the two-rank run and the
     requeue of a one-rank DPO job.)"""
-    save, total = tmp_path / "rm", 16
+    save, total = tmp_path / "rm", 10
     job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
                        "--save_steps", "2", "--save_path", str(save), env_extra=_job_env(tmp_path))
     _wait("the first checkpoint", lambda: glob.glob(str(save / "checkpoints" / "step*")), timeout=300, every=0.3)
