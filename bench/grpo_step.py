@@ -684,7 +684,8 @@ COLUMNS = [("step s", "step_s", "{:.2f}"), ("generate s", "generate_s", "{:.2f}"
            ("other s", "other_s", "{:.2f}"), ("gen tok/s", "gen_tok_s", "{:,.0f}"),
            ("resp len", "response_len", "{:.1f}"), ("TRL/ours", "ratio", "{:.2f}"), ("OpenRLHF/ours", "orl_ratio", "{:.2f}"), ("logprob diff", "logprob_diff", "{:.4f}"),
            ("run wall s", "wall_s", "{:.0f}")]
-GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("TRL/ours peak", "mem_ratio", "{:.2f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
+GPU_COLUMNS = [("GPU peak GB", "gpu_peak_gb", "{:.1f}"), ("TRL/ours peak", "mem_ratio", "{:.2f}"),
+               ("OpenRLHF/ours peak", "orl_mem_ratio", "{:.2f}"), ("MFU 989", "mfu_989", "{:.3f}"), ("MFU 790", "mfu_790", "{:.3f}")]
 
 
 def _print_table(rows: list[dict], gpu: bool) -> None:
@@ -692,7 +693,8 @@ def _print_table(rows: list[dict], gpu: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    cols = COLUMNS + (GPU_COLUMNS if gpu else [])
+    cols = [c for c in COLUMNS + (GPU_COLUMNS if gpu else [])  # a peer's ratio only where that peer ran
+            if not c[1].startswith("orl_") or any(r.get(c[1]) is not None for r in rows)]
     table = Table(title="GRPO step, median after warm-up")
     table.add_column("run")
     for title, _, _ in cols:

@@ -113,17 +113,6 @@ def test_zero3_two_processes_torchrun(tmp_path, tiny, pref_file):
     assert model.score.weight.shape[1] == model.config.hidden_size
 
 
-def test_dpo_zero3_two_processes_deepspeed_launcher(tmp_path, tiny, pref_file):
-    out = str(tmp_path / "dpo3")
-    run([os.path.join(os.path.dirname(PY), "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
-         "--master_port", "29533", os.path.join(ROOT, "train_dpo.py"), "--save_path", out, "--zero_stage", "3",
-         "--dataset", pref_file, "--apply_chat_template", "--max_steps", "3", "--train_batch_size", "16",
-         "--micro_train_batch_size", "4"], timeout=600)
-    rows = metrics(out)
-    assert rows[0]["train/loss"] == pytest.approx(0.693147, abs=1e-4)
-    assert len(rows) == 3
-
-
 REFERENCE_RM = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_batch_size 256
   --micro_train_batch_size 1 --pretrain {model} --bf16 --max_epochs 1 --max_len 8192
   --zero_stage 3 --learning_rate 9e-6 --dataset {data} --apply_chat_template --chosen_key chosen
@@ -134,20 +123,26 @@ REFERENCE_DPO = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_bat
   --rejected_key rejected --flash_attn --gradient_checkpointing"""
 
 
-@pytest.mark.parametrize("name,flags", [("train_rm.py", REFERENCE_RM), ("train_dpo.py", REFERENCE_DPO)])
-def test_reference_commands_run_under_the_deepspeed_launcher(tmp_path, tiny, pref_file, name, flags):
-    """The user's reference commands, model and dataset replaced by local ones, as spelled there."""
+@pytest.mark.parametrize("name,flags,ranks", [("train_rm.py", REFERENCE_RM, 1), ("train_dpo.py", REFERENCE_DPO, 2)])
+def test_reference_commands_run_under_the_deepspeed_launcher(tmp_path, tiny, pref_file, name, flags, ranks):
+    """The user's reference commands, model and dataset replaced by local ones, as spelled there; DPO's on two
+    processes (ZeRO-3 across two ranks under DeepSpeed's launcher; the RM's two ranks run under torchrun above).
+    (Merged: DPO's two-process ZeRO-3 run under the launcher, whose first loss is ln 2.)"""
     out = str(tmp_path / "out")
     args = flags.format(model=tiny, data=pref_file).split() + ["--save_path", out]
-    p = run([os.path.join(os.path.dirname(PY), "deepspeed"), "--num_gpus", "1", "--master_addr", "127.0.0.1",
-             "--master_port", "29535", os.path.join(ROOT, name), *args], timeout=600)
+    p = run([os.path.join(os.path.dirname(PY), "deepspeed"), "--num_gpus", str(ranks), "--master_addr", "127.0.0.1",
+             "--master_port", str(29535 + ranks), os.path.join(ROOT, name), *args], timeout=600)
     text = p.stdout + p.stderr
     assert "no native bf16" in text or "bfloat16" in text  # --bf16 either used or its fallback said once
     assert "flash-attention is not available" in text
     # the reference's --max_len against the tiny model's 512 positions: said, and run as asked
     assert "--max_len 8192 exceeds the model's 512 positions (max_position_embeddings in its config.json)" in text
-    assert len(metrics(out)) == 1  # 256 pairs / batch 256 = one step
+    rows = metrics(out)
+    assert len(rows) == 1  # 256 pairs / batch 256 = one step
     assert os.path.exists(os.path.join(out, "model.safetensors"))
+    if ranks == 2:
+        assert "world size: 2" in text, text[-3000:]
+        assert rows[0]["train/loss"] == pytest.approx(0.693147, abs=1e-4)  # the policy starts as its reference
 
 
 # The file's and the rows' checks end the script the same way; each of their messages (a missing file,
