@@ -198,7 +198,7 @@ class RLRun:
         # loading on the same GPU meanwhile shrinks it (3B, reference flags: 21 of the planned 41.9 GiB on
         # 2026-12-03). On a shared GPU the engines start first, asleep under --vllm_enable_sleep while the
         # models load (OpenRLHF's order); on their own GPUs, or on CPU, they start while the models load.
-        first = plan.use_gpu and plan.vllm_group in {self.roles[r].group for r in specs}
+        first = plan.use_gpu and plan.vllm_group in {self.roles[r].group for r in specs if r in self.roles}
         n_engines = a["vllm_num_engines"]
         engine_spec = EngineSpec.from_options(a, plan, self.pretrain) if n_engines else None
         self.engine_max_len = engine_spec.max_model_len if engine_spec else 0  # an agent episode's ceiling
