@@ -35,6 +35,8 @@
 #                       a path of its own per run, since Ray's socket paths must stay under 108 bytes
 #                       and a requeued job must not find the killed run's address file)
 #   RAY_START_TIMEOUT   seconds to wait for the whole cluster (default: 300)
+#   RAY_WORKER_START_TRIES  starts of a worker node whose raylet did not register in Ray's fixed 30 s,
+#                       as on a busy node (default: 3)
 #   RAY_STOP_TIMEOUT    seconds Ray gets to stop before it is killed (default: 30)
 #   RAY_KEEP_LOGS       1 keeps RAY_TEMP_DIR after a successful run (it is always kept after a failure)
 #   NET_IFNAME          interface to register the nodes on (set by slurm/env.sh)
@@ -77,11 +79,31 @@ _ray_node_args() {
   if [[ -n ${RAY_NUM_CPUS:-} ]]; then _RAY_ARGS+=("--num-cpus=$RAY_NUM_CPUS"); fi
 }
 
+# Ray gives a new node's raylet a fixed 30 s to register with the head (not a setting); on a busy head
+# or node `ray start` then fails with "timed out during startup" and cleans up after itself. That one
+# failure is tried again (RAY_WORKER_START_TRIES in all, default 3), with fresh ports; any other end of
+# `ray start` is the worker's end. TERM and INT (srun passing on the stop) go to `ray start`, which
+# then stops its node's processes.
 _ray_worker() {
-  local address=${1:?usage: ray_cluster.sh worker <head address>}
-  _ray_node_args
-  echo "ray_cluster: worker on $(hostname -s) joining $address"
-  exec "${PYTHON:-python}" -m ray.scripts.scripts start --address="$address" "${_RAY_ARGS[@]}"
+  local address=${1:?usage: ray_cluster.sh worker <head address>} tries=${RAY_WORKER_START_TRIES:-3} try pid rc log
+  log=$(mktemp "${TMPDIR:-/tmp}/ray-worker-start.XXXXXX")
+  trap 'rm -f "$log"' EXIT
+  for ((try = 1; try <= tries; try++)); do
+    _ray_node_args
+    echo "ray_cluster: worker on $(hostname -s) joining $address"
+    : >"$log"
+    "${PYTHON:-python}" -m ray.scripts.scripts start --address="$address" "${_RAY_ARGS[@]}" > >(tee -a "$log") 2>&1 &
+    pid=$!
+    trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+    # `wait` returns early when a trapped signal comes: wait again while `ray start` stops its node.
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+    wait "$pid" && rc=0 || rc=$?
+    trap - TERM INT
+    sleep 0.2  # tee's last lines
+    if ((rc == 0)) || ! grep -q "timed out during startup" "$log"; then return "$rc"; fi
+    echo "ray_cluster: the worker's raylet did not register with the head within Ray's 30 s (try $try of $tries)"
+  done
+  return "$rc"
 }
 
 _ray_alive() {

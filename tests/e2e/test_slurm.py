@@ -353,6 +353,38 @@ def _start_requeued_now(slurm, job: str) -> None:
     _sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
 
 
+def test_a_worker_whose_raylet_did_not_register_in_time_starts_again(tmp_path):
+    """Ray gives a new node 30 s to register (fixed); a busy node's `ray start` fails with "timed out during
+    startup", and the worker tries again; another failure ends the worker at once; TERM reaches `ray start`.
+    A stand-in interpreter plays `ray start` (no Slurm or Ray needed)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+n=$(cat {tmp_path}/n 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path}/n
+[ "$1" = "{os.path.join(ROOT, "slurm", "free_ports.py")}" ] && exec {PY} "$@"
+echo "ray start $((n + 1)) $*"
+case $MODE in
+  slow) [ "$(ls {tmp_path}/started-* 2>/dev/null | wc -l)" -lt 2 ] && {{ touch {tmp_path}/started-$n
+        echo "Exception: The current node timed out during startup. This could happen ..."; exit 1; }} ;;
+  bad) echo "ConnectionError: could not reach the head"; exit 1 ;;
+esac
+trap 'echo "ray start stopped by TERM"; exit 0' TERM
+touch {tmp_path}/running; while true; do sleep 0.1; done
+""")
+    fake.chmod(0o755)
+    cmd = ["bash", os.path.join(ROOT, "slurm", "ray_cluster.sh"), "worker", "10.0.0.1:6379"]
+    p = subprocess.Popen(cmd, env=env() | {"PYTHON": str(fake), "MODE": "slow"}, stdout=subprocess.PIPE, text=True)
+    _wait("the third start to run", lambda: (tmp_path / "running").exists(), timeout=30, every=0.1)
+    p.terminate()
+    out = p.communicate(timeout=30)[0]
+    assert p.returncode == 0, out
+    assert out.count("did not register with the head within Ray's 30 s") == 2, out
+    assert "(try 2 of 3)" in out and "ray start stopped by TERM" in out, out
+    assert "--address=10.0.0.1:6379" in out, out
+    p = subprocess.run(cmd, env=env() | {"PYTHON": str(fake), "MODE": "bad"}, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stdout.count("joining 10.0.0.1:6379") == 1, p.stdout  # not tried again
+    assert "could not reach the head" in p.stdout and "did not register" not in p.stdout, p.stdout
+
+
 def test_ray_helper_fails_fast_when_a_node_cannot_join(slurm, tmp_path):
     save = tmp_path / "grpo"
     start = time.monotonic()
