@@ -9,6 +9,27 @@ import pytest
 
 from tests.helpers import PY, env, free_port
 
+# The files that take longest, longest first (seconds of work in `make test` on the 2-core machine,
+# 2026-12-06: test_slurm ~900, test_rl ~600, test_vllm ~500, test_sft ~400, test_agents ~250, ...).
+# pytest-xdist's --dist loadfile hands a worker one file at a time, and by default in order of their
+# number of tests, which put the few-test heavy files (agents, LoRA with vLLM, newcomer) last, where a
+# long one kept the suite waiting on one worker; the Makefile passes --no-loadscope-reorder so this order
+# holds. Files not listed follow, e2e before unit.
+HEAVIEST_FIRST = ("e2e/test_slurm.py", "e2e/test_rl.py", "e2e/test_vllm.py", "e2e/test_sft.py", "e2e/test_agents.py",
+                  "e2e/test_newcomer.py", "e2e/test_rm_dpo.py", "e2e/test_vllm_lora.py", "e2e/test_reliability.py",
+                  "e2e/test_loss_agg.py", "e2e/test_lora.py", "e2e/test_wheel.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    rank = {f: i for i, f in enumerate(HEAVIEST_FIRST)}
+
+    def order(item):
+        rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
+        return rank.get(rel, len(rank) + (0 if rel.startswith("e2e/") else 1))
+
+    items.sort(key=order)  # stable: each file keeps its own order
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
