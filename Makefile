@@ -103,7 +103,7 @@ pipeline: install
 # jobs, 2026-12-05). The scripts' own default (a short spin, common/cpu_threads.py) gives way to it.
 # The heaviest files go first (tests/conftest.py lists them; --no-loadscope-reorder keeps that order): by
 # default xdist orders files by their number of tests, which left few-test heavy files for last
-# (24:26 -> 22:16 on 2026-12-06).
+# (24:26 -> 22:16-23:56 on 2026-12-06; runs differ by a minute or two).
 # tests/unit/: no processes (its conftest refuses a spawn), about 30 s on 2 cores; tests/e2e/: scripts, Ray, vLLM, Slurm.
 test-unit: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests/unit -q -n 2
