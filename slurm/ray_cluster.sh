@@ -99,8 +99,9 @@ _ray_worker() {
     while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
     wait "$pid" && rc=0 || rc=$?
     trap - TERM INT
-    sleep 0.2  # tee's last lines
-    if ((rc == 0)) || ! grep -q "timed out during startup" "$log"; then return "$rc"; fi
+    if ((rc == 0)); then return 0; fi
+    sleep 0.2  # tee (its own process) may still be writing `ray start`'s last lines
+    grep -q "timed out during startup" "$log" || return "$rc"
     echo "ray_cluster: the worker's raylet did not register with the head within Ray's 30 s (try $try of $tries)"
   done
   return "$rc"
