@@ -23,6 +23,7 @@
 #   bash dev/gpu_runs.sh lora_7b           # the reference flags at 7B with --lora_rank 16, no --adam_offload
 #   bash dev/gpu_runs.sh lora_decode       # vLLM decoding with a pushed LoRA adapter against the merged weights
 #   bash dev/gpu_runs.sh lora_trl_05b      # the GRPO step against TRL, the same rank-16 LoRA on both sides (and _15b)
+#   bash dev/gpu_runs.sh train_phase       # the training phase at 1.5B and 3B, ours against a plain PyTorch loop (TRL's), profiled
 #   bash dev/gpu_runs.sh real_05b          # the GRPO step at 32 prompts x 8 samples x 1024 tokens, micro 32, against TRL (and _15b, _3b)
 #   bash dev/gpu_runs.sh agents_05b        # multi-turn episodes at 0.5B: turns/s and tokens/s, without and with a 50 ms environment
 #   bash dev/gpu_runs.sh real_05b_openrlhf # the same work against OpenRLHF 0.11.2's train_ppo_ray (its hybrid engine)
@@ -221,6 +222,16 @@ print(f"{sys.argv[2]}: step {med('time/step_s'):.2f} s, generate {med('time/gene
 PYEOF
   done
   ;;
+train_phase)  # the training phase alone at 1.5B (micro 32) and 3B (micro 16), the equal-work benches' settings (checkpointing,
+  # ours ZeRO-0 with fp32 weights under autocast) against the same loss in a plain PyTorch loop as TRL runs it; phases and kernels
+  for sh in ${SHAPES:-1.5b 3b}; do
+    d=$WORK/q${sh/./}; [ -d $d ] || $PY bench/make_model.py --shape $sh --out $d > /dev/null 2>&1
+    mb=32; [ $sh = 3b ] && mb=16
+    timeout ${LIMIT:-200} $PY bench/train_step.py --model $d --stages 0 --micros $mb --modes ${MODES:-autocast,plain} \
+      --gradient-checkpointing --profile --out "$OUT/train_phase_$sh.json" > "$OUT/train_phase_$sh.txt" 2>&1
+    echo "train_phase $sh: exit $?"; grep -E '^\{' "$OUT/train_phase_$sh.txt" | cut -c1-400
+  done
+  ;;
 lora_decode)  # vLLM decoding with a pushed rank-16 adapter against the merged weights, 0.5B
   timeout ${LIMIT:-300} $PY dev/probes/lora_decode.py --model $M --out "$OUT/lora_decode.json" > "$OUT/lora_decode.txt" 2>&1
   echo "lora_decode: exit $?"; tail -c 2000 "$OUT/lora_decode.txt"
@@ -230,5 +241,5 @@ logprob_gap_3b)  # rollout/logprob_diff per way the trainer computes log-probs (
   timeout ${LIMIT:-150} $PY dev/probes/logprob_gap.py --model $WORK/bench/model-3b --out "$OUT/logprob_gap_3b.json" > "$OUT/logprob_gap_3b.txt" 2>&1
   echo "logprob_gap: exit $?" | tee -a "$OUT/summary.txt"; tail -8 "$OUT/logprob_gap_3b.txt"
   ;;
-*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b|lora_7b|lora_decode|lora_trl_05b|lora_trl_15b|real_05b|real_15b|real_3b|real_05b_openrlhf|agents_05b" >&2; exit 2 ;;
+*) echo "usage: $0 dpo_rm|grpo|ds_sleep_states|x2|tp2|tp2_grpo|runner_v1_v2|compile|mfu15|bench_hf|decode|decode15|equal_work_05b|equal_work_15b|equal_work_3b|no_correction_05b|async_one_gpu|ref_flags_3b|ref_flags_7b|logprob_gap_3b|train_phase|lora_7b|lora_decode|lora_trl_05b|lora_trl_15b|real_05b|real_15b|real_3b|real_05b_openrlhf|agents_05b" >&2; exit 2 ;;
 esac

@@ -85,7 +85,7 @@ def main() -> None:
     out["merged_s"] = timed(plain, prompts, args.tokens)
     want = plain.generate(prompts[:8], greedy, seed=0).response_ids
     out["greedy_equal_rows"] = sum(a == b for a, b in zip(pushed, want))
-    out["lora_over_merged_tok_per_s"] = out["merged_s"]["tok_per_s"] / out["lora_adapter_s"]["tok_per_s"]
+    out["merged_over_lora_tok_per_s"] = out["merged_s"]["tok_per_s"] / out["lora_adapter_s"]["tok_per_s"]
     print(json.dumps(out, indent=1))
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
