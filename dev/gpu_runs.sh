@@ -201,7 +201,7 @@ real_05b_openrlhf)  # the same work, ours against OpenRLHF 0.11.2 (pip install -
   LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm --no-trl --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
-agents_05b)  # multi-turn episodes at 0.5B (the random model never copies: every episode runs its 3 turns),
+agents_05b)  # multi-turn episodes at 0.5B (the random model never copies: every episode runs its 3 turns, of 32-192 tokens after the first),
   # without and with a 50 ms environment step; turns/s and tokens/s come from the metrics
   prompts
   AG=(--pretrain $M --prompt_data $WORK/prompts.jsonl --input_key prompt --label_key label --apply_chat_template

@@ -241,7 +241,7 @@ def _short(text: str, head: int = 3, tail: int = 8) -> str:
     return "\n".join(lines[:head] + ["  ..."] + lines[-tail:])
 
 
-def _describe(err: BaseException) -> str:
+def describe_failure(err: BaseException) -> str:
     import ray
 
     if isinstance(err, ray.exceptions.RayTaskError):
@@ -282,7 +282,7 @@ def get(refs, timeout_s: float, what: str):
                         err, rank = e2, i
                         break
         who = what if rank is None else f"{what} (rank {rank})"
-        raise TrainingError(f"{who}: {_describe(err)}") from None
+        raise TrainingError(f"{who}: {describe_failure(err)}") from None
 
 
 class RoleGroup:

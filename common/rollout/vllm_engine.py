@@ -201,6 +201,8 @@ class VllmEngine:
         self.load_error = None
         self.adapter_error = False  # load_error came from an adapter push: the next complete push clears it
         self.adapters: dict[int, int] = {}  # policy version -> vLLM's id of the adapter held for it
+        self.serving: dict[str, tuple] = {}  # serve()'s requests running: our id and vLLM's -> (ours, version, both, client)
+        self.served: dict[str, list[dict]] = {}  # serve()'s finished requests per client, not yet returned
         lora = dict(enable_lora=True, max_lora_rank=vllm_lora_rank(spec.lora_rank), max_loras=spec.max_loras,
                     max_cpu_loras=spec.max_loras) if spec.lora_rank > 0 else {}
         self.llm = LLM(model=spec.path, dtype=spec.dtype, max_model_len=spec.max_model_len,
@@ -264,8 +266,8 @@ class VllmEngine:
 
         from common.rollout.samples import Samples
 
-        if self.load_error:  # a deferred weight load failed (common.rollout.weight_sync): never sample from half-loaded weights
-            raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
+        self._check_loaded()
+        self._drain()  # LLM.generate runs the engine until every request it holds is done, serve()'s too
         version, lora = self._adapter_request(sampling.get("adapter_version"))
         n = sampling["n"]
         greedy = sampling.get("greedy", False)
@@ -308,6 +310,65 @@ class VllmEngine:
                     s.logprobs.append([flat.logprobs[k] for k in flat.start_indices])
         return s
 
+    def _check_loaded(self) -> None:
+        if self.load_error:  # a deferred weight load failed (common.rollout.weight_sync): never sample from half-loaded weights
+            raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
+
+    # ---------------------------------------------------------------- continuous batching (common.rollout.agent)
+    def serve(self, requests: list[dict], slice_s: float, client: str = "") -> list[dict]:
+        """Adds `requests` to those the engine is running and steps it until one of `client`'s requests
+        finishes or `slice_s` seconds pass; returns `client`'s finished ones. For multi-turn episodes, whose
+        turns arrive one at a time: a turn joins the running batch at the next decode step instead of waiting
+        for the others. Several clients (a rollout and the next one, --async_train) share the batch; each
+        gets its own requests back.
+
+        A request: {"id": str, "ids": prompt ids, "max_tokens", "seed" (None: the engine's stream),
+        "temperature", "top_p", "logprobs": bool}. A result: {"id", "token_ids", "logprobs" (None without),
+        "truncated", "version": the policy version whose weights sampled it}. Requests left running stay in
+        the engine for the next call; a weight load, sleep or generate() first runs them to their end with
+        the weights they started with (`_drain`), and the next serve() returns them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_loaded()
+        engine = self.llm.llm_engine
+        version, lora = self._adapter_request(None)
+        for r in requests:
+            params = SamplingParams(n=1, temperature=r["temperature"], top_p=r["top_p"], max_tokens=r["max_tokens"],
+                                    logprobs=0 if r["logprobs"] else None, flat_logprobs=True, detokenize=False,
+                                    seed=r["seed"] if self.spec.per_request_seeds else None)
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it ends
+            # vLLM may append a suffix to the id it was given (and report either): keep both
+            inner = engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["ids"]), params, lora_request=lora)
+            keys = {r["id"], inner or r["id"]}
+            for k in keys:
+                self.serving[k] = (r["id"], version, keys, client)
+        t0 = time.perf_counter()
+        while not self.served.get(client) and engine.has_unfinished_requests() and time.perf_counter() - t0 < slice_s:
+            self._step()
+        return self.served.pop(client, [])
+
+    def _step(self) -> None:
+        """One engine step; the requests it finished go to their client's list in `served`."""
+        for o in self.llm.llm_engine.step():
+            if not o.finished:
+                continue
+            ours, version, keys, client = self.serving[o.request_id]
+            for k in keys:
+                del self.serving[k]
+            c = o.outputs[0]
+            lp = c.logprobs
+            self.served.setdefault(client, []).append(
+                {"id": ours, "token_ids": list(c.token_ids), "truncated": c.finish_reason == "length",
+                 "logprobs": [lp.logprobs[k] for k in lp.start_indices] if lp is not None else None,
+                 "version": version})
+
+    def _drain(self) -> None:
+        """Run serve()'s requests to their end before the weights, the adapters or the memory change."""
+        while self.serving and self.llm.llm_engine.has_unfinished_requests():
+            self._step()
+
     def _adapter_request(self, version: int | None):
         """(the policy version that samples, vLLM's request for its adapter or None for the weights alone)."""
         from vllm.lora.request import LoRARequest
@@ -339,6 +400,7 @@ class VllmEngine:
         if self.spec.lora_rank <= 0:
             raise RuntimeError(f"vLLM engine {self.index} serves no LoRA adapters: "
                                "start it with EngineSpec.lora_rank > 0")
+        self._drain()
         version = self.version + 1 if version is None else version
         lora_id = version + 1  # vLLM's adapter ids start at 1, policy versions at 0
         others = sorted(v for v in self.adapters if v != version)
@@ -391,6 +453,7 @@ class VllmEngine:
             # vLLM's own encoding to its engine-core process turns dataclasses into dicts and tensors
             # into lists: pickle (tensors, IPC handles and all) once instead.
             args = (pickle.dumps(args),)
+        self._drain()
         self._drop_adapters()
         try:
             self.llm.collective_rpc("hybridrl_receive", args=args)
@@ -404,6 +467,7 @@ class VllmEngine:
 
     # ---------------------------------------------------------------- sleep (GPU only)
     def sleep(self, level: int) -> None:
+        self._drain()
         self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -166,7 +166,7 @@ class WeightSync:
     def _wait(self, refs: list, who, deadline: float):
         import ray
 
-        from common.cluster.ray_groups import _describe
+        from common.cluster.ray_groups import describe_failure
 
         try:
             return ray.get(refs, timeout=max(0.0, deadline - time.perf_counter()))
@@ -177,7 +177,7 @@ class WeightSync:
             raise UserError(f"weight sync: {who} did not finish within {self.timeout_s:g} s (raise --vllm_sync_timeout "
                             "if the model is large or the engines are slow to become idle)") from None
         except ray.exceptions.RayError as e:
-            raise TrainingError(f"weight sync ({self.transport}): {_describe(e)}") from None
+            raise TrainingError(f"weight sync ({self.transport}): {describe_failure(e)}") from None
 
     def __call__(self, version: int | None = None) -> dict:
         """Push the weights, policy `version` (training steps done; None: the engines count one more);

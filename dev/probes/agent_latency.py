@@ -1,10 +1,16 @@
 """examples/agent_copy_openrlhf.py with every environment step taking AGENT_STEP_LATENCY_S seconds (default
-0.05) of waiting, as a remote tool or sandbox would: for the GPU figure of how much of that latency the
-concurrent episodes hide behind generation (`bash dev/gpu_runs.sh agents_05b`).
+0.05) of waiting, as a remote tool or sandbox would, and turns of different lengths (each step sets the next
+turn's max_tokens, drawn from 32-192 per episode and turn, as a tool answer of varying size would): for the
+GPU figure of how much of that latency the concurrent episodes hide behind generation
+(`bash dev/gpu_runs.sh agents_05b`). A random-weight model never stops on its own, so without the drawn caps
+every episode's turns would end at the same decode step and there would be nothing to overlap.
 """
 import asyncio
+import copy
 import importlib.util
+import itertools
 import os
+import random
 
 from openrlhf.utils.agent import MultiTurnAgentExecutor
 
@@ -13,12 +19,20 @@ _spec = importlib.util.spec_from_file_location(
 _example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_example)
 LATENCY_S = float(os.environ.get("AGENT_STEP_LATENCY_S", "0.05"))
+_EPISODES = itertools.count()  # the n-th episode of the run draws the same caps in every run
 
 
 class AgentInstance(_example.AgentInstance):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(next(_EPISODES))
+
     async def step(self, states: dict, **kwargs):
         await asyncio.sleep(LATENCY_S)  # the environment's round trip: the episode waits, the others go on
-        return await super().step(states, **kwargs)
+        out = await super().step(states, **kwargs)
+        params = copy.copy(states["sampling_params"])
+        params.max_tokens = self.rng.randint(32, 192)
+        return dict(out, sampling_params=params)
 
 
 class AgentExecutor(MultiTurnAgentExecutor):

@@ -83,6 +83,9 @@ def test_openrlhf_agent_file_runs_unchanged_token_in_token_out(rig):
         assert resp[-1] == rig.tok.convert_tokens_to_ids("<|im_end|>") or s.truncated[i]
     assert fed > 0, s.agent  # the untrained model fails some first answers: retries happened
     assert s.extra["agent_batches"] >= 2 and s.versions == [0] * len(s)
+    # repeatable for a seed: each turn has its own seed, whatever batch it joined on the engine
+    again = _run(rig, OPENRLHF_FILE, role="user", max_turns=3)
+    assert again.response_ids == s.response_ids and again.agent["rewards"] == s.agent["rewards"]
 
     # greedy: the first turn's ids are exactly what the engine samples for the prompt alone
     g = _run(rig, OPENRLHF_FILE, n=1, temperature=0.0, role="user", max_turns=1)
@@ -106,6 +109,28 @@ def test_plain_executor_and_the_token_caps(rig):
         for m in mask + [0]:
             cur = cur + 1 if m else (runs.append(cur) or 0) if cur else 0
         assert runs and max(runs) <= 1, mask
+
+
+def test_an_environment_caps_its_next_turn_with_max_tokens(rig, tmp_path):
+    """The sampling_params a step returns set the next turn's max_tokens under the run's own caps (OpenRLHF
+    overwrites them with the budget): turns end at different lengths, each joining the engine's running batch."""
+    path = tmp_path / "agent_caps.py"
+    path.write_text("import copy\nfrom openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n"
+                    "class AgentInstance(AgentInstanceBase):\n"
+                    "    async def reset(self, states, **kw):\n        return {'observation': states['observation']}\n\n"
+                    "    async def step(self, states, **kw):\n"
+                    "        p = copy.copy(states['sampling_params'])\n"
+                    "        p.max_tokens = states['turn'] + 1\n"
+                    "        return {'rewards': 0.0, 'environment_feedback': ' again', 'done': states['turn'] >= 3,\n"
+                    "                'sampling_params': p}\n\n"
+                    "class AgentExecutor(MultiTurnAgentExecutor):\n"
+                    "    def __init__(self):\n        super().__init__(AgentInstance)\n")
+    s = _run(rig, str(path), n=2)
+    for mask, turns in zip(s.response_mask, s.agent["turns"]):
+        runs, cur = [], 0
+        for m in mask + [0]:
+            cur = cur + 1 if m else (runs.append(cur) or 0) if cur else 0
+        assert turns == 3 and len(runs) == 3 and runs[1] <= 2 and runs[2] <= 3, (runs, mask)
 
 
 BROKEN = {
