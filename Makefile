@@ -58,7 +58,7 @@ demo: install
 # tiny base model (pretrained on the task with noisy answers: OpenRLHF too starts from a base model), a
 # reward model from the SFT model, PPO of the SFT model against it (the critic starts from the reward
 # model). --pretrain switches on OpenRLHF's defaults, made for real models, so each stage spells out
-# the demo's sizes. ~2 min on 2 cores. tests/e2e/test_sft.py runs it and checks that PPO raises the share
+# the demo's sizes. ~3 min on 2 cores. tests/e2e/test_sft.py runs it and checks that PPO raises the share
 # of exactly right answers (rollout/exact_match, the task's own rule) with truncation and KL bounded.
 # These settings replace ones under which PPO hacked the reward model (its score 0.30 -> 0.80 while
 # every answer ran to --generate_max_len as 'star moon star ...', KL 4.9), for three reasons measured
@@ -70,8 +70,11 @@ demo: install
 #   answer (0.26), and PPO's first updates broke the half-formed model. A short, gentle SFT of the base
 #   model answers right when greedy and is uncertain when sampled; the reward model, 400 steps from
 #   it, ranks 95% of such pairs right.
-# - --init_kl_coef 0.001 with no warm-up at --actor_learning_rate 3e-4 held nothing back: now 0.05,
-#   a 10% warm-up and 1e-4 keep the KL to the SFT model under ~0.5.
+# - --init_kl_coef 0.001 with no warm-up at --actor_learning_rate 3e-4 held nothing back: now 0.1,
+#   a 10% warm-up and 1e-4 keep the KL to the SFT model under 1. At 0.05 (until 2026-12-06) the greedy
+#   answers to held-out prompts got worse late in a run as the KL grew (eval/exact_match 0.82 -> 0.68
+#   at the last step with seed 42, KL 0.79); at 0.1, seeds 42, 7, 3 of all three stages end at 0.93,
+#   0.81, 0.96 from 0.82 (KL at most 0.45, 0.94, 0.22). SEED sets every stage's --seed.
 # - The reward model never scores an answer without its end token in training, yet PPO scores cut-off
 #   answers there; it rates a rambling cut-off answer about as high as a right one. A cut-off answer
 #   is always wrong on this task: --stop_properly_penalty_coef -2 (ProRL) scores it below any other.
@@ -82,20 +85,21 @@ PIPELINE_DIR ?= ./output/pipeline
 SFT_STEPS ?= 100
 RM_STEPS ?= 400
 PPO_STEPS ?= 24
+SEED ?= 42
 pipeline: install
 	$(BIN)/python train_sft.py --pretrain "$$($(BIN)/python -c 'from common.training.tiny import tiny_model_path; print(tiny_model_path())' | tail -n 1)" \
 	  --save_path $(PIPELINE_DIR)/sft --max_steps $(SFT_STEPS) --param_dtype fp32 --train_batch_size 32 \
-	  --micro_train_batch_size 32 --learning_rate 1e-5 --max_len 512
+	  --micro_train_batch_size 32 --learning_rate 1e-5 --max_len 512 --seed $(SEED)
 	$(BIN)/python train_rm.py --pretrain $(PIPELINE_DIR)/sft --save_path $(PIPELINE_DIR)/rm --max_steps $(RM_STEPS) \
 	  --eval_steps $(RM_STEPS) --param_dtype fp32 --train_batch_size 32 --micro_train_batch_size 16 \
-	  --learning_rate 5e-4 --max_len 512
+	  --learning_rate 5e-4 --max_len 512 --seed $(SEED)
 	$(BIN)/python train_ppo.py --pretrain $(PIPELINE_DIR)/sft --reward_pretrain $(PIPELINE_DIR)/rm \
 	  --save_path $(PIPELINE_DIR)/ppo --max_steps $(PPO_STEPS) --param_dtype fp32 --normalize_reward \
 	  --rollout_batch_size 64 --micro_rollout_batch_size 64 --train_batch_size 64 --micro_train_batch_size 64 \
-	  --actor_learning_rate 1e-4 --critic_learning_rate 1e-3 --init_kl_coef 0.05 --kl_estimator k3 \
+	  --actor_learning_rate 1e-4 --critic_learning_rate 1e-3 --init_kl_coef 0.1 --kl_estimator k3 \
 	  --lambd 0.95 --value_clip 0.2 --lr_scheduler constant_with_warmup --lr_warmup_ratio 0.1 \
 	  --stop_properly_penalty_coef -2 --prompt_max_len 1024 --generate_max_len 12 --eval_steps 8 \
-	  --best_metric_key eval/exact_match
+	  --best_metric_key eval/exact_match --seed $(SEED)
 
 # Three workers, a file each at a time (four made the Slurm time-limit test miss its 300 s window). The two
 # cores are then busy ~90% of the time, with more runnable threads than cores: OpenMP threads that wait
