@@ -70,7 +70,7 @@ def check_rl(a: dict, group_estimators: tuple) -> None:
     require(len(sources) <= 1, f"rewards come from one source: drop all but one of {', '.join('--' + s for s in sources)}")
     require(sources or a["prompt_data"] is None,
             "--prompt_data needs a reward: give --reward_pretrain, --reward_func, --remote_rm_url or --agent_func_path")
-    if a["agent_func_path"]:  # the environment rewards; its episodes run on the engines (common.rollout.agent)
+    if a["agent_func_path"]:  # the environment rewards; its episodes run on the engines (common.rl.agent)
         require(a["vllm_num_engines"] > 0, "--agent_func_path runs its episodes on vLLM engines: add --vllm_num_engines N")
         # --partial_rollout: a sync lands between two turns of an episode (each turn one engine call), not inside one
         require(not a["partial_rollout"] or a["partial_rollout_chunk"] == 64,

