@@ -438,7 +438,7 @@ def test_rm_8b_two_ranks_requeued_resume_from_their_checkpoint(slurm, tmp_path):
     save, total = tmp_path / "rm", 10
     job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
                        "--save_steps", "2", "--save_path", str(save), env_extra=_job_env(tmp_path))
-    _wait("the first checkpoint", lambda: glob.glob(str(save / "checkpoints" / "step*")), timeout=300, every=0.3)
+    _wait("the first checkpoint", lambda: glob.glob(str(save / "checkpoints" / "step*")), timeout=600, every=0.3)
     assert slurm.job(job)["JobState"] == "RUNNING", slurm.job_output(job)
     p = _sh(["scontrol", "requeue", job], env=slurm.env)
     assert p.returncode == 0, p.stderr
@@ -472,7 +472,7 @@ def test_time_limit_warning_checkpoints_a_two_node_ray_job_and_requeues_it(slurm
                        "--max_steps", str(total), "--save_steps", "100",
                        env_extra=_job_env(tmp_path) | {"RAY_NODES": f"{slurm.host} {slurm.host}"})
     log = save / "metrics.jsonl"
-    _wait("two logged steps", lambda: log.exists() and log.read_text().count("\n") >= 2, timeout=300, every=0.3)
+    _wait("two logged steps", lambda: log.exists() and log.read_text().count("\n") >= 2, timeout=600, every=0.3)
     # What `#SBATCH --signal=B:USR1@120` sends 2 min before the time limit: USR1 to the batch shell alone.
     _sh(["scancel", "--batch", "--signal=USR1", job], env=slurm.env, check=True)
     _start_requeued_now(slurm, job)  # the job requeues itself
