@@ -342,7 +342,7 @@ def run_episodes(executor, path: str, prompts: list, labels: list, engines: list
     if isinstance(executor, MultiTurnAgentExecutor) or hasattr(executor, "limits"):
         executor.limits = limits
     jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
-    batcher = TurnBatcher(engines, tokenizer, len(jobs), seed, window_s, timeout_s)
+    batcher = TurnBatcher(engines, tokenizer, len(jobs), window_s, timeout_s)
     known = {p.prompt_text: p.prompt_ids for p in prompts}
     t0 = time.perf_counter()
 

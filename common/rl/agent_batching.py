@@ -34,9 +34,9 @@ class TurnBatcher:
 
     PIPELINE = 2
 
-    def __init__(self, engines: list, tokenizer, jobs: int, seed: int, window_s: float, timeout_s: float,
+    def __init__(self, engines: list, tokenizer, jobs: int, window_s: float, timeout_s: float,
                  slice_s: float = 0.05):
-        self.engines, self.tokenizer, self.seed = engines, tokenizer, seed
+        self.engines, self.tokenizer = engines, tokenizer
         self.window_s, self.timeout_s, self.slice_s = window_s, timeout_s, slice_s
         e = len(engines)
         self.live = [len(range(i, jobs, e)) for i in range(e)]  # live episodes per engine

@@ -1,5 +1,4 @@
-"""Clocks of an engine's process besides generating: garbage collection and Triton kernel compiles
-(`time/engine_gc_s`, `time/engine_jit_s`), read per generate call by common.rollout.vllm_engine."""
+"""Clocks of an engine's process, read per generate call by common.rollout.vllm_engine."""
 from __future__ import annotations
 
 import time
@@ -59,7 +58,7 @@ def clock_mark() -> tuple:
 
 
 def clock_since(m: tuple, jit: bool) -> tuple[dict, list[str]]:
-    """Seconds since `mark()`: wall, CPU, GC (and Triton compiles when timed), with the kernels compiled."""
+    """Seconds since `clock_mark()`: wall, CPU, GC (and Triton compiles when timed), with the kernels compiled."""
     t, c, g, j, k = m
     out = {"engine_generate_s": time.perf_counter() - t, "engine_cpu_s": time.process_time() - c,
            "engine_gc_s": _CLOCK["gc"] - g}

@@ -248,7 +248,7 @@ class VllmEngine:
         if self.load_error:  # a deferred weight load failed (common.rollout.weight_sync): never sample from half-loaded weights
             raise RuntimeError(f"vLLM engine {self.index}: the last weight load failed: {self.load_error}")
 
-    # ---------------------------------------------------------------- continuous batching (common.rl.agent)
+    # -------------------------------------------------------- continuous batching (common.rl.agent_batching)
     def serve(self, requests: list[dict], slice_s: float, client: str = "") -> list[dict]:
         """Adds `requests` to those the engine is running and steps it until one of `client`'s requests
         finishes or `slice_s` seconds pass; returns `client`'s finished ones. For multi-turn episodes, whose
