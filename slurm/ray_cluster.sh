@@ -37,6 +37,7 @@
 #   RAY_START_TIMEOUT   seconds to wait for the whole cluster (default: 300)
 #   RAY_WORKER_START_TRIES  starts of a worker node whose raylet did not register in Ray's fixed 30 s,
 #                       as on a busy node (default: 3)
+#   RAY_HEAD_START_TRIES    the same for the head node (default: 3)
 #   RAY_STOP_TIMEOUT    seconds Ray gets to stop before it is killed (default: 30)
 #   RAY_KEEP_LOGS       1 keeps RAY_TEMP_DIR after a successful run (it is always kept after a failure)
 #   NET_IFNAME          interface to register the nodes on (set by slurm/env.sh)
@@ -164,34 +165,51 @@ ray_cluster_start() {
   # (and skip the EXIT trap) if it came while Ray is still starting.
   trap _ray_time_up USR1
 
-  local temp_dir
+  local temp_dir head_ports head_args tries=${RAY_HEAD_START_TRIES:-3} try log rc
   temp_dir=$(_ray_temp_dir)
   addr_file="$temp_dir/ray_current_cluster"
-  rm -f "$addr_file"
-  _ray_node_args
-  local head_ports head_args
-  mapfile -t head_ports < <(_ray_free_ports 2)
-  head_args=(--head "--port=${RAY_PORT:-${head_ports[0]}}" "--include-dashboard=${RAY_DASHBOARD:-false}"
-             "--ray-client-server-port=${head_ports[1]}")
+  log=$(mktemp "${TMPDIR:-/tmp}/ray-head-start.XXXXXX")
   echo "ray_cluster: head on $(hostname -s), ${#nodes[@]} node(s): ${nodes[*]}; waiting for ${#nodes[@]} node(s)," \
        "$want_gpus GPU(s), at most ${timeout}s"
-  "${PYTHON:-python}" -m ray.scripts.scripts start "${head_args[@]}" "${_RAY_ARGS[@]}" &
-  head_pid=$!
-  _RAY_PIDS=("$head_pid")
-
-  # The head writes its address file once its processes are up.
   deadline=$((SECONDS + timeout))
-  until [[ -s $addr_file ]]; do
-    if ! kill -0 "$head_pid" 2>/dev/null; then
-      echo "ray_cluster: the Ray head exited while starting (see above)" >&2
+  # The head's own raylet has Ray's fixed 30 s to register with its GCS too: on a busy machine the
+  # head's `ray start` fails with "timed out during startup" and cleans up after itself. That one
+  # failure is tried again as the worker's is (RAY_HEAD_START_TRIES in all, default 3), with fresh ports.
+  for ((try = 1; try <= tries; try++)); do
+    rm -f "$addr_file"
+    _ray_node_args
+    mapfile -t head_ports < <(_ray_free_ports 2)
+    head_args=(--head "--port=${RAY_PORT:-${head_ports[0]}}" "--include-dashboard=${RAY_DASHBOARD:-false}"
+               "--ray-client-server-port=${head_ports[1]}")
+    : >"$log"
+    "${PYTHON:-python}" -m ray.scripts.scripts start "${head_args[@]}" "${_RAY_ARGS[@]}" > >(tee -a "$log") 2>&1 &
+    head_pid=$!
+    _RAY_PIDS=("$head_pid")
+    # The head writes its address file once its processes are up.
+    rc=
+    until [[ -s $addr_file ]]; do
+      if ! kill -0 "$head_pid" 2>/dev/null; then
+        wait "$head_pid" && rc=0 || rc=$?
+        break
+      fi
+      if ((SECONDS >= deadline)); then
+        rm -f "$log"
+        echo "ray_cluster: the Ray head did not start within ${timeout}s" >&2
+        return 1
+      fi
+      sleep 0.5
+    done
+    [[ -n $rc ]] || break  # the address file is there
+    _RAY_PIDS=()
+    sleep 0.2  # tee (its own process) may still be writing `ray start`'s last lines
+    if ! grep -q "timed out during startup" "$log" || ((try == tries)); then
+      rm -f "$log"
+      echo "ray_cluster: the Ray head exited while starting (exit $rc; see above)" >&2
       return 1
     fi
-    if ((SECONDS >= deadline)); then
-      echo "ray_cluster: the Ray head did not start within ${timeout}s" >&2
-      return 1
-    fi
-    sleep 2
+    echo "ray_cluster: the head's raylet did not register within Ray's 30 s (try $try of $tries)"
   done
+  rm -f "$log"
   RAY_ADDRESS=$(<"$addr_file")
   export RAY_ADDRESS
 
