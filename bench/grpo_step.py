@@ -175,6 +175,7 @@ def main(
         rows.append(_run_ours(dict(job, vllm=False, ours_flags=ours_alt.split()), os.path.join(work_dir, f"ours-{shape}-alt"), timeout))
     ours_rows = [r for r in rows if "LoRA rank" not in r.get("note", "")]
     trl_row = orl_row = None
+    _write(out, job, rows)  # after each side: a bench stopped from outside keeps what finished
     if trl:
         trl_row = _run_trl(job, os.path.join(work_dir, f"trl-{tag}"), timeout)
         if "error" in trl_row and vllm:
@@ -183,6 +184,7 @@ def main(
             trl_row = _run_trl(dict(job, vllm=False), os.path.join(work_dir, f"trl-{shape}-hf"), timeout)
             trl_row["note"] = f"{trl_row.get('note', '')}; TRL + vLLM failed: {failed}".lstrip("; ")
         rows.append(trl_row)
+        _write(out, job, rows)
     if openrlhf:
         orl_row = _run_openrlhf(job, os.path.join(work_dir, f"openrlhf-{shape}"), timeout)
         rows.append(orl_row)
@@ -214,9 +216,7 @@ def main(
         print(f"--async_train: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x the synchronous steps per second "
               f"({1 / rows[1]['step_s']:.3f} against {1 / rows[0]['step_s']:.3f})", flush=True)
     if out:
-        with open(out, "w") as f:
-            json.dump({"job": job, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()},
-                      f, indent=2)
+        _write(out, job, rows)
         print(f"wrote {out}")
     if any("error" in r for r in rows):
         raise typer.Exit(1)
@@ -631,11 +631,18 @@ def openrlhf_command(job: dict, run_dir: str) -> list[str]:
                 "--algo.advantage.is_correction_threshold", "0", str(IS_CAP)]
     if job["gradient_checkpointing"]:
         cmd += ["--actor.gradient_checkpointing_enable"]
-    if not _importable("flash_attn"):  # its default kernel; the GPU image has no flash-attn build
+    if not _importable("flash_attn_2_cuda"):  # its default kernel; the GPU image has no flash-attn build
         cmd += ["--ds.attn_implementation", "sdpa"]
     if job.get("lora_rank"):
         cmd += ["--ds.lora.rank", str(job["lora_rank"]), "--ds.lora.alpha", str(2 * job["lora_rank"])]
     return cmd
+
+
+def _write(out: str | None, job: dict, rows: list[dict]) -> None:
+    if out:
+        with open(out, "w") as f:
+            json.dump({"job": job, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()},
+                      f, indent=2)
 
 
 def _importable(module: str) -> bool:

@@ -26,7 +26,7 @@
 #   bash dev/gpu_runs.sh train_phase       # the training phase at 1.5B and 3B, ours against a plain PyTorch loop (TRL's), profiled
 #   bash dev/gpu_runs.sh real_05b          # the GRPO step at 32 prompts x 8 samples x 1024 tokens, micro 32, against TRL (and _15b, _3b)
 #   bash dev/gpu_runs.sh agents_05b        # multi-turn episodes at 0.5B: turns/s and tokens/s, without and with a 50 ms environment
-#   bash dev/gpu_runs.sh real_05b_openrlhf # the same work against OpenRLHF 0.11.2's train_ppo_ray (its hybrid engine)
+#   bash dev/gpu_runs.sh real_05b_openrlhf # the same work against TRL and OpenRLHF 0.11.2's train_ppo_ray (its hybrid engine)
 # Env: Z (ZeRO stage of the hybrid runs, default 3), SYNC (--vllm_sync_backend, default auto), OURS (more
 #      train_grpo.py flags for the bench modes), WARMUP (bench steps not timed, default 2), LIMIT (seconds per run),
 #      STEPS, LOGS=0 (keep the bench's table and logs in $WORK only), WORK (scratch: models, runs, logs; /tmp).
@@ -197,8 +197,15 @@ real_05b|real_15b|real_3b)  # the GRPO step at the size people train, 32 prompts
   LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape $shape --vllm --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
-real_05b_openrlhf)  # the same work, ours against OpenRLHF 0.11.2 (pip install --no-deps openrlhf==0.11.2 first)
-  LOGS=0 LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm --no-trl --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
+real_05b_openrlhf)  # the same work, ours against TRL and OpenRLHF 0.11.2 in one bench (openrlhf installed, or .whl/openrlhf
+  # carried: dev/prepare_openrlhf.sh); without a flash-attn build, its import-time names come from dev/probes/flash_attn_stub
+  if [ -d .whl/openrlhf ]; then
+    mkdir -p $WORK/orlsite
+    for w in .whl/openrlhf/*.whl; do $PY -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" $WORK/orlsite; done
+    export PYTHONPATH=$PYTHONPATH:$WORK/orlsite
+  fi
+  $PY -c "import flash_attn_2_cuda" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/dev/probes/flash_attn_stub
+  LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm ${TRL:---trl} --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 agents_05b)  # multi-turn episodes at 0.5B (the random model never copies: every episode runs its 3 turns, of 32-192 tokens after the first),
