@@ -205,7 +205,7 @@ real_05b_openrlhf)  # the same work, ours against TRL and OpenRLHF 0.11.2 in one
     export PYTHONPATH=$PYTHONPATH:$WORK/orlsite
   fi
   $PY -c "import flash_attn_2_cuda" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/dev/probes/flash_attn_stub
-  LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm ${TRL:---trl} --openrlhf --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
+  LIMIT=${LIMIT:-560} bench "$1" --shape 0.5b --vllm ${TRL:---trl} --openrlhf --openrlhf_micro_batch ${ORL_MICRO:-16} --warmup ${WARMUP:-2} --steps ${STEPS:-5} \
     --ours_flags "--vllm_sync_backend $SYNC ${OURS:-}"
   ;;
 agents_05b)  # multi-turn episodes at 0.5B (the random model never copies: every episode runs its 3 turns, of 32-192 tokens after the first),

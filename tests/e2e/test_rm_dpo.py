@@ -97,20 +97,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny, name):
     assert a[3:] == b  # bit-identical on CPU: same weights, optimizer, schedule, data position and RNG
 
 
-def test_zero3_two_processes_torchrun(tmp_path, tiny, pref_file):
-    out = str(tmp_path / "rm3")
-    run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", "29531", os.path.join(ROOT, "train_rm.py"), "--save_path", out, "--zero_stage", "3",
-         "--dataset", pref_file, "--apply_chat_template", "--max_steps", "4", "--train_batch_size", "16",
-         "--micro_train_batch_size", "4"], timeout=600)
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["hybridrl"]["zero_stage"] == 3 and cfg["model_type"] == "qwen2"  # run options + model config
-    from common.training.models import load_reward_model
-
-    model = load_reward_model(out)  # gathered from the two shards into full tensors
-    assert model.score.weight.shape[1] == model.config.hidden_size
+# The two-process ZeRO-3 reward model runs as a Slurm job of two ranks (tests/e2e/test_slurm.py, rm_8b).
 
 
 REFERENCE_RM = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_batch_size 256
@@ -126,7 +113,7 @@ REFERENCE_DPO = """--save_steps -1 --logging_steps 1 --eval_steps -1 --train_bat
 @pytest.mark.parametrize("name,flags,ranks", [("train_rm.py", REFERENCE_RM, 1), ("train_dpo.py", REFERENCE_DPO, 2)])
 def test_reference_commands_run_under_the_deepspeed_launcher(tmp_path, tiny, pref_file, name, flags, ranks):
     """The user's reference commands, model and dataset replaced by local ones, as spelled there; DPO's on two
-    processes (ZeRO-3 across two ranks under DeepSpeed's launcher; the RM's two ranks run under torchrun above).
+    processes (ZeRO-3 across two ranks under DeepSpeed's launcher; the RM's two ranks run under Slurm).
     (Merged: DPO's two-process ZeRO-3 run under the launcher, whose first loss is ln 2.)"""
     out = str(tmp_path / "out")
     args = flags.format(model=tiny, data=pref_file).split() + ["--save_path", out]

@@ -487,8 +487,9 @@ def test_templates_find_the_venv_from_a_shell_without_it(slurm, tmp_path):
 
 def test_rm_8b_two_ranks_requeued_resume_from_their_checkpoint(slurm, tmp_path):
     """rm_8b.sh with two ranks started by srun (no launcher), requeued mid-run: both ranks stop at the same
-    step, save there, and the requeued job resumes from that checkpoint. (Merged: the two-rank run and the
-    requeue of a one-rank DPO job.)"""
+    step, save there, and the requeued job resumes from that checkpoint; the model saved from the two ZeRO-3
+    shards loads whole. (Merged: the two-rank run, the requeue of a one-rank DPO job, and the two-process
+    ZeRO-3 reward model under torchrun of test_rm_dpo.py.)"""
     save, total = tmp_path / "rm", 10
     job = slurm.sbatch(*_cpu_job(tmp_path, ntasks=2), "slurm/rm_8b.sh", *TINY_PAIRS, "--max_steps", str(total),
                        "--save_steps", "2", "--save_path", str(save), env_extra=_job_env(tmp_path))
@@ -514,6 +515,12 @@ def test_rm_8b_two_ranks_requeued_resume_from_their_checkpoint(slurm, tmp_path):
     assert 2 <= int(stopped.group(1)) < total
     assert _steps(save) == list(range(1, total + 1))
     _assert_model_written(save)
+    cfg = json.load(open(save / "config.json"))
+    assert cfg["hybridrl"]["zero_stage"] == 3 and cfg["model_type"] == "qwen2"  # run options + model config
+    from common.training.models import load_reward_model
+
+    model = load_reward_model(str(save))  # gathered from the two shards into full tensors
+    assert model.score.weight.shape[1] == model.config.hidden_size
 
 
 def test_time_limit_warning_checkpoints_a_two_node_ray_job_and_requeues_it(slurm, tmp_path):
