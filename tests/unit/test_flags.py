@@ -430,3 +430,32 @@ def test_flag_acts_is_refused_or_says_it_does_nothing(script, flag, effect, monk
         _check_wire(script, calls)
     before, after = view(effect.view, off, flag, monkeypatch), view(effect.view, on, flag, monkeypatch)
     assert before != after, f"--{flag} changes nothing in the {effect.view} view: {before}"
+
+
+# Contradictory options of train_ppo.py (the same checks serve train_grpo.py), refused before training
+# starts: exit 2 with the message. In-process, as the flags above; the two refusals decided once the run
+# starts are spawned in tests/e2e/test_rl.py::test_flag_contradictions.
+@pytest.mark.parametrize("flags,expect", [
+    (["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt 2 or more"),
+    (["--zero_stage", "5"], "--zero_stage 5"),
+    (["--rollout_batch_size", "3", "--train_batch_size", "64"], "multiple of --train_batch_size"),
+    (["--vllm_enable_sleep", "--vllm_num_engines", "1"], "--colocate_all_models"),
+    (["--vllm_enable_sleep"], "--vllm_enable_sleep needs vLLM engines"),
+    (["--reward_func", "a.py", "--remote_rm_url", "http://127.0.0.1:1"], "one source"),
+    (["--colocate_all_models", "--vllm_num_engines", "4", "--dry_run"], "must equal"),
+    (["--static_kv_cache", "--zero_stage", "3"], "use --zero_stage 0, 1 or 2, or drop --static_kv_cache"),
+    (["--static_kv_cache", "--vllm_num_engines", "1"], "--static_kv_cache is for the policy's own generation"),
+    (["--torch_autocast"], "--torch_autocast is a way to run --bf16: add --bf16"),
+    (["--bf16", "--torch_autocast", "--deepspeed_enable_sleep"], "with --torch_autocast it is not supported yet"),
+    (["--torch_compile", "--zero_stage", "3"], "--torch_compile: ZeRO-3"),
+    (["--share_prompt_prefix"], "with --n_samples_per_prompt 1 there is nothing to share"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--packing_samples"],
+     "--share_prompt_prefix and --packing_samples are two ways"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--gradient_checkpointing"],
+     "which transformers turns off under --gradient_checkpointing: drop one of them"),
+    (["--share_prompt_prefix", "--n_samples_per_prompt", "4", "--flash_attn"],
+     "not with flash-attention: drop --flash_attn or --share_prompt_prefix"),
+])
+def test_flag_contradictions_are_refused_before_training(tmp_path, monkeypatch, flags, expect):
+    r = _run("train_ppo", flags, monkeypatch, tmp_path)
+    assert r.code == 2 and expect in r.out and r.a is None, (r.code, r.out[-1500:])
