@@ -125,19 +125,17 @@ def adapter_state(model, *, gather: bool = True) -> dict[str, torch.Tensor]:
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [r, in]), on CPU, on every rank.
 
     Only the adapter's parameters are gathered under ZeRO-3 (collective: every rank calls it), so a sync
-    or a save moves the adapter's bytes, not the model's."""
+    or a save moves the adapter's bytes, not the model's. They are gathered together, in one collective:
+    one per tensor (2 x 7 per layer with all-linear targets) made the 7B adapter's gather 0.54-0.59 s on an
+    H200 for 80 MB."""
     import deepspeed
     from peft import get_peft_model_state_dict
 
     module = _module(model)
     own = {n: p for n, p in module.named_parameters() if "lora_" in n or "modules_to_save" in n}
-    out = {}
-    for name, p in own.items():
-        if gather and hasattr(p, "ds_id"):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                out[name] = p.detach().to("cpu", copy=True)
-        else:
-            out[name] = p.detach().to("cpu", copy=True)
+    sharded = [p for p in own.values() if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None, enabled=gather and bool(sharded)):
+        out = {name: p.detach().to("cpu", copy=True) for name, p in own.items()}
     # peft's saved names sit under its wrapper's prefix (what PeftModel.from_pretrained and vLLM read)
     return {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(module, state_dict=out).items()}
 
