@@ -82,9 +82,15 @@ _ray_node_args() {
 
 # Ray gives a new node's raylet a fixed 30 s to register with the head (not a setting); on a busy head
 # or node `ray start` then fails with "timed out during startup" and cleans up after itself. That one
-# failure is tried again (RAY_WORKER_START_TRIES in all, default 3), with fresh ports; any other end of
-# `ray start` is the worker's end. TERM and INT (srun passing on the stop) go to `ray start`, which
-# then stops its node's processes.
+# failure, read from the ended `ray start`'s log here, is tried again, with fresh ports, by the worker
+# (RAY_WORKER_START_TRIES) and the head (RAY_HEAD_START_TRIES); any other end is the node's end.
+_ray_start_timed_out() {
+  sleep 0.2  # tee (its own process) may still be writing `ray start`'s last lines
+  grep -q "timed out during startup" "$1"
+}
+
+# One worker node. TERM and INT (srun passing on the stop) go to `ray start`, which then stops its
+# node's processes.
 _ray_worker() {
   local address=${1:?usage: ray_cluster.sh worker <head address>} tries=${RAY_WORKER_START_TRIES:-3} try pid rc log
   log=$(mktemp "${TMPDIR:-/tmp}/ray-worker-start.XXXXXX")
@@ -101,8 +107,7 @@ _ray_worker() {
     wait "$pid" && rc=0 || rc=$?
     trap - TERM INT
     if ((rc == 0)); then return 0; fi
-    sleep 0.2  # tee (its own process) may still be writing `ray start`'s last lines
-    grep -q "timed out during startup" "$log" || return "$rc"
+    _ray_start_timed_out "$log" || return "$rc"
     echo "ray_cluster: the worker's raylet did not register with the head within Ray's 30 s (try $try of $tries)"
   done
   return "$rc"
@@ -172,9 +177,7 @@ ray_cluster_start() {
   echo "ray_cluster: head on $(hostname -s), ${#nodes[@]} node(s): ${nodes[*]}; waiting for ${#nodes[@]} node(s)," \
        "$want_gpus GPU(s), at most ${timeout}s"
   deadline=$((SECONDS + timeout))
-  # The head's own raylet has Ray's fixed 30 s to register with its GCS too: on a busy machine the
-  # head's `ray start` fails with "timed out during startup" and cleans up after itself. That one
-  # failure is tried again as the worker's is (RAY_HEAD_START_TRIES in all, default 3), with fresh ports.
+  # The head's own raylet has Ray's fixed 30 s to register too (_ray_start_timed_out).
   for ((try = 1; try <= tries; try++)); do
     rm -f "$addr_file"
     _ray_node_args
@@ -201,8 +204,7 @@ ray_cluster_start() {
     done
     [[ -n $rc ]] || break  # the address file is there
     _RAY_PIDS=()
-    sleep 0.2  # tee (its own process) may still be writing `ray start`'s last lines
-    if ! grep -q "timed out during startup" "$log" || ((try == tries)); then
+    if ! _ray_start_timed_out "$log" || ((try == tries)); then
       rm -f "$log"
       echo "ray_cluster: the Ray head exited while starting (exit $rc; see above)" >&2
       return 1

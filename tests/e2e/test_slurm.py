@@ -164,20 +164,21 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         assert p.returncode == 0 and job, f"sbatch failed: {p.stderr}"
         return job
 
+    ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
     def finish(self, job: str, timeout: float = 600) -> str:
         """Poll every second until `job` ends (`sbatch --wait` looks less and less often, which
         costs up to half a minute per job here); return its final state."""
-        done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
-        return _wait(f"job {job} to end", lambda: (st := self.job(job).get("JobState")) in done and st, timeout)
+        return _wait(f"job {job} to end", lambda: (st := self.job(job).get("JobState")) in self.ENDED and st, timeout)
 
     def progress(self, job: str, what: str, check, timeout: float = 600, every: float = 0.3):
         """`_wait` for a sign of progress of a running job, ending at once with the job's output when the
         job has ended first (a job that failed at start would otherwise be waited on for `timeout` s)."""
         def check_while_running():
             got = check()
-            if not got and self.job(job).get("JobState") not in ("RUNNING", "PENDING", "CONFIGURING"):
+            if not got and (state := self.job(job).get("JobState")) in self.ENDED:
                 got = check()  # what the job did just before it ended
-                assert got, f"job {job} ended ({self.job(job).get('JobState')}) before {what}:\n{self.job_output(job)}"
+                assert got, f"job {job} ended ({state}) before {what}:\n{self.job_output(job)}"
             return got
         return _wait(what, check_while_running, timeout, every)
 
