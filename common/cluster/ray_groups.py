@@ -255,10 +255,11 @@ def describe_failure(err: BaseException) -> str:
     return _short(str(err))
 
 
-def get(refs, timeout_s: float, what: str):
+def get(refs, timeout_s: float, what: str, *, budget_s: float | None = None):
     """`ray.get` that fails in `timeout_s` and reports a worker's failure as a short RuntimeError.
 
-    `refs` is one ObjectRef or a list (then the failing or silent ranks are named).
+    `refs` is one ObjectRef or a list (then the failing or silent ranks are named). `budget_s`, where this
+    wait is the rest of a longer one, is the whole wait the message names (the one the caller set).
     """
     import ray
 
@@ -270,7 +271,7 @@ def get(refs, timeout_s: float, what: str):
         if many:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = f" (rank {', '.join(str(refs.index(r)) for r in pending)} still busy)" if pending else ""
-        raise TrainingError(f"{what}: no answer within {timeout_s:.0f} s{late}") from None
+        raise TrainingError(f"{what}: no answer within {budget_s or timeout_s:.0f} s{late}") from None
     except ray.exceptions.RayError as e:
         err, rank = e, None
         if many:  # name the first rank that failed, not whichever ray.get met first
@@ -313,7 +314,7 @@ class RoleGroup:
             addr, port = get(self.actors[0].node_address.remote(), timeout_s, f"{role} rank 0 start")
             self.actors += [spawn(i, addr, port) for i in range(1, world)]
             self.placements = get([a.placement.remote() for a in self.actors], max(timeout_s - (time.time() - t0), 1),
-                                  f"{role} start")
+                                  f"{role} start", budget_s=timeout_s)
         except BaseException:
             self.shutdown()
             raise

@@ -61,6 +61,13 @@ class BadInitWorker(BaseWorker):
         return self.rank
 
 
+class SlowInitWorker(BaseWorker):
+    def __init__(self, role, rank, world_size, master_addr, master_port):
+        super().__init__(role, rank, world_size, master_addr, master_port)
+        if rank == 1:
+            time.sleep(30)
+
+
 def cpu_plan(actor, ref=None, **flags):
     flags = {"colocate_actor_ref": False, "colocate_critic_reward": False, "colocate_all_models": False, **flags}
     return plan_resources(actor=actor, critic=None, ref=ref, reward=None, vllm_num_engines=0, vllm_tp=1,
@@ -161,11 +168,22 @@ def test_killed_worker_is_reported_within_the_timeout(ray_cluster):
 
 
 def test_worker_that_fails_to_start_is_reported_and_the_group_cleaned_up(ray_cluster):
+    # The start's wait bounds a hang only (the failure comes as soon as rank 1 imports): under the full
+    # suite's load two worker starts took more than 30 s together, so it is generous.
     plan = cpu_plan((2, 1))
     pgs = create_placement_groups(plan, timeout_s=30)
     try:
         with pytest.raises(RuntimeError, match=r"(?s)critic start \(rank 1\): .*FileNotFoundError: no model at /nowhere"):
-            RoleGroup("critic", BadInitWorker, plan.role("actor"), pgs["actor"], timeout_s=30)
+            RoleGroup("critic", BadInitWorker, plan.role("actor"), pgs["actor"], timeout_s=180)
+    finally:
+        remove(pgs)
+    # A start that hangs is named with the wait the caller set, whichever rank it was waiting on by then.
+    pgs = create_placement_groups(plan, timeout_s=30)
+    try:
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match=r"critic (rank 0 )?start: no answer within 4 s"):
+            RoleGroup("critic", SlowInitWorker, plan.role("actor"), pgs["actor"], timeout_s=4)
+        assert time.time() - t0 < 15
     finally:
         remove(pgs)
 
