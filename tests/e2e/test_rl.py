@@ -111,11 +111,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
     assert a[7:] == b  # a[0] is step 0's evaluation
 
 
+# Two more variants ride on runs below, one script start each fewer: GRPO with RLOO, OpenRLHF's reward
+# shaping and adaptive KL on the --skip_bad_rewards run (GRPO_VARIANT), PPO with group_norm, k2 and the
+# static cache on the HTTP reward server's run (PPO_VARIANT); _check_variant asserts what each flag shows.
 @pytest.mark.parametrize("name,flags", [
-    # also OpenRLHF's reward shaping: DAPO's overlong and ProRL's stop-properly penalties, adaptive KL
-    ("train_grpo.py", ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
-                       "--skip_nonfinite_updates", "--overlong_buffer_len", "4", "--stop_properly_penalty_coef", "0.5",
-                       "--kl_target", "0.05", "--reward_clip_range", "-0.5", "0.5"]),
     # also fp32 weights with a bf16 forward, compiled transformer blocks, and each prompt run once for
     # its samples (their responses on its key/value cache)
     ("train_grpo.py", ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
@@ -125,15 +124,28 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
     ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
                       "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1",
                       "--save_value_network"]),
-    # also the policy's own decoding with a preallocated cache (common.rollout.decode)
-    ("train_ppo.py", ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
-                      "--n_samples_per_prompt", "4", "--static_kv_cache"]),
 ])
 def test_variants_run(tmp_path, ray_head, name, flags):
     out = str(tmp_path / "run")
     script(name, "--save_path", out, "--max_steps", "2", "--eval_steps", "-1", *SMALL[name], *flags)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
+    _check_variant(name, flags, rows)
+    if "--save_value_network" in flags:  # OpenRLHF's folder for the critic
+        assert os.path.exists(os.path.join(out + "_critic", "config.json"))
+
+
+# also OpenRLHF's reward shaping: DAPO's overlong and ProRL's stop-properly penalties, adaptive KL
+GRPO_VARIANT = ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
+                "--skip_nonfinite_updates", "--overlong_buffer_len", "4", "--stop_properly_penalty_coef", "0.5",
+                "--kl_target", "0.05", "--reward_clip_range", "-0.5", "0.5"]
+# also the policy's own decoding with a preallocated cache (common.rollout.decode)
+PPO_VARIANT = ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
+               "--n_samples_per_prompt", "4", "--static_kv_cache"]
+
+
+def _check_variant(name: str, flags: list[str], rows: list[dict]) -> None:
+    """What a variant's flags show in its two steps' metrics."""
     if "--init_kl_coef" in flags:  # no reference model at all
         assert rows[-1]["train/kl"] == 0.0
     if "--freezing_actor_steps" in flags:  # only the critic trains at step 1
@@ -144,8 +156,6 @@ def test_variants_run(tmp_path, ray_head, name, flags):
         assert "rollout/overlong_frac" in rows[0] and "rollout/stop_penalized_frac" in rows[0]
     if "--dynamic_filtering" in flags:  # groups whose samples all tie are counted as dropped
         assert all("rollout/filtered_groups" in r for r in rows)
-    if "--save_value_network" in flags:  # OpenRLHF's folder for the critic
-        assert os.path.exists(os.path.join(out + "_critic", "config.json"))
     if "--skip_nonfinite_updates" in flags:  # a healthy run skips nothing
         assert [r["train/skipped_updates"] for r in rows] == [0, 0]
         if name == "train_ppo.py":
@@ -234,9 +244,11 @@ def test_http_reward_server(tmp_path, ray_head, prompt_file):
     try:
         out = str(tmp_path / "run")
         script("train_ppo.py", "--save_path", out, "--remote_rm_url", f"http://127.0.0.1:{server.server_port}/score",
-               "--advantage_estimator", "group_norm", *_prompt_flags(prompt_file, "train_ppo.py"))
+               *PPO_VARIANT, *_prompt_flags(prompt_file, "train_ppo.py"))
         assert _CopyScorer.calls >= 2
-        assert 0.1 < metrics(out)[0]["rollout/reward_mean"] < 0.9
+        rows = metrics(out)
+        assert 0.1 < rows[0]["rollout/reward_mean"] < 0.9 and [r["step"] for r in rows] == [1, 2]
+        _check_variant("train_ppo.py", PPO_VARIANT, rows)
     finally:
         server.shutdown()
 
@@ -274,12 +286,14 @@ def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_hea
 def test_skip_bad_rewards_drops_samples_and_goes_on(tmp_path, ray_head, prompt_file):
     fn = tmp_path / "flaky.py"
     fn.write_text("def reward_func(prompts, completions, labels):\n"
-                  "    return [float('nan') if i == 3 else 0.5 + 0.01 * (i % 3) for i in range(len(completions))]\n")
+                  "    return [float('nan') if i == 3 else 0.2 * (i % 3) for i in range(len(completions))]\n")
     out = str(tmp_path / "run")
-    script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), "--skip_bad_rewards", *_prompt_flags(prompt_file))
+    script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), "--skip_bad_rewards", *GRPO_VARIANT,
+           *_prompt_flags(prompt_file))
     rows = metrics(out)
     # the NaN sample's whole group (8 samples) is left out of the update; the other 7 groups train
     assert rows[0]["rollout/skipped_rewards"] == 1 and len(rows) == 2 and "train/policy_loss" in rows[0]
+    _check_variant("train_grpo.py", GRPO_VARIANT, rows)
 
 
 REFERENCE_PPO = """--ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
