@@ -135,11 +135,11 @@ def test_variants_run(tmp_path, ray_head, name, flags):
         assert os.path.exists(os.path.join(out + "_critic", "config.json"))
 
 
-# also OpenRLHF's reward shaping: DAPO's overlong and ProRL's stop-properly penalties, adaptive KL
+# RLOO with OpenRLHF's reward shaping (DAPO's overlong and ProRL's stop-properly penalties) and adaptive KL
 GRPO_VARIANT = ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
                 "--skip_nonfinite_updates", "--overlong_buffer_len", "4", "--stop_properly_penalty_coef", "0.5",
                 "--kl_target", "0.05", "--reward_clip_range", "-0.5", "0.5"]
-# also the policy's own decoding with a preallocated cache (common.rollout.decode)
+# group_norm and k2 with the policy's own decoding on a preallocated cache (common.rollout.decode)
 PPO_VARIANT = ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                "--n_samples_per_prompt", "4", "--static_kv_cache"]
 
