@@ -111,9 +111,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
     assert a[7:] == b  # a[0] is step 0's evaluation
 
 
-# Two more variants ride on runs below, one script start each fewer: GRPO with RLOO, OpenRLHF's reward
+# Three more variants ride on runs below, one script start each fewer: GRPO with RLOO, OpenRLHF's reward
 # shaping and adaptive KL on the --skip_bad_rewards run (GRPO_VARIANT), PPO with group_norm, k2 and the
-# static cache on the HTTP reward server's run (PPO_VARIANT); _check_variant asserts what each flag shows.
+# static cache on the HTTP reward server's run (PPO_VARIANT), PPO with packing, asymmetric and dual clips,
+# two epochs and a frozen first actor step on both reward-model runs (PPO_RM_VARIANT); _check_variant
+# asserts what each flag shows.
 @pytest.mark.parametrize("name,flags", [
     # also fp32 weights with a bf16 forward, compiled transformer blocks, and each prompt run once for
     # its samples (their responses on its key/value cache)
@@ -121,9 +123,6 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, ray_head, default_run
                        "--train_batch_size", "16", "--micro_train_batch_size", "8",
                        "--dynamic_filtering", "--loss_agg_mode", "seq_mean_token_mean", "--policy_loss_type", "gspo",
                        "--bf16", "--torch_autocast", "--torch_compile", "--share_prompt_prefix"]),
-    ("train_ppo.py", ["--colocate_all_models", "--packing_samples", "--eps_clip_low_high", "0.2", "0.28",
-                      "--dual_clip", "3", "--max_epochs", "2", "--skip_nonfinite_updates", "--freezing_actor_steps", "1",
-                      "--save_value_network"]),
 ])
 def test_variants_run(tmp_path, ray_head, name, flags):
     out = str(tmp_path / "run")
@@ -131,14 +130,16 @@ def test_variants_run(tmp_path, ray_head, name, flags):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     _check_variant(name, flags, rows)
-    if "--save_value_network" in flags:  # OpenRLHF's folder for the critic
-        assert os.path.exists(os.path.join(out + "_critic", "config.json"))
 
 
 # RLOO with OpenRLHF's reward shaping (DAPO's overlong and ProRL's stop-properly penalties) and adaptive KL
 GRPO_VARIANT = ["--colocate_actor_ref", "--advantage_estimator", "rloo", "--use_kl_loss", "--packing_samples",
                 "--skip_nonfinite_updates", "--overlong_buffer_len", "4", "--stop_properly_penalty_coef", "0.5",
                 "--kl_target", "0.05", "--reward_clip_range", "-0.5", "0.5"]
+# packed samples, asymmetric and dual clips, two epochs per rollout, the critic alone at step 1
+# (--colocate_all_models, which this variant had, runs in both reference commands below)
+PPO_RM_VARIANT = ["--packing_samples", "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3", "--max_epochs", "2",
+                  "--skip_nonfinite_updates", "--freezing_actor_steps", "1", "--save_value_network"]
 # group_norm and k2 with the policy's own decoding on a preallocated cache (common.rollout.decode)
 PPO_VARIANT = ["--advantage_estimator", "group_norm", "--kl_estimator", "k2", "--no_advantage_std_norm",
                "--n_samples_per_prompt", "4", "--static_kv_cache"]
@@ -257,7 +258,7 @@ def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, 
     """PPO with a reward model (a tiny RM trained for a few steps) and the critic initialised from it. Colocated,
     the reference loads into the actor's processes and the reward model into the critic's (common.rl.guests):
     the run equals the one with a process per role, number for number."""
-    flags = ["--reward_pretrain", tiny_rm, "--colocate_critic_reward", "--colocate_actor_ref",
+    flags = ["--reward_pretrain", tiny_rm, "--colocate_critic_reward", "--colocate_actor_ref", *PPO_RM_VARIANT,
              *_prompt_flags(prompt_file, "train_ppo.py")]
     shared, apart = str(tmp_path / "shared"), str(tmp_path / "apart")
     p = script("train_ppo.py", "--save_path", shared, *flags)
@@ -268,6 +269,8 @@ def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, 
     a, b = keep(metrics(shared)), keep(metrics(apart))
     assert len(a) == 2 and "train/value_loss" in a[-1] and "train/kl" in a[-1]
     assert a == b
+    _check_variant("train_ppo.py", PPO_RM_VARIANT, metrics(shared))
+    assert os.path.exists(os.path.join(shared + "_critic", "config.json"))  # OpenRLHF's folder for the critic
 
 
 def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file):

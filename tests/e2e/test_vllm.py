@@ -402,21 +402,6 @@ def test_grpo_two_engines_reward_rises(tmp_path, ray_head):
 PPO_SMALL = ["--rollout_batch_size", "16", "--train_batch_size", "16", "--micro_train_batch_size", "8"]
 
 
-# (the reference commands' colocated tensor-parallel layout runs in test_rl.py)
-@pytest.mark.parametrize("name,engines,flags", [
-    # a tensor-parallel engine in a group of its own (one bundle of two cores)
-    ("train_ppo.py", 1, PPO_SMALL + ["--vllm_tensor_parallel_size", "2"]),
-])
-def test_scripts_with_engines(tmp_path, ray_head, name, engines, flags):
-    out = str(tmp_path / "run")
-    t0 = time.perf_counter()
-    # --enforce_eager: vLLM's torch.compile adds ~20 s to each engine start on this CPU.
-    script(name, "--save_path", out, "--vllm_num_engines", str(engines), "--enforce_eager", "--max_steps", "3",
-           "--eval_steps", "-1", "--logprob_diff_steps", "1", *flags)
-    worst = _check_engine_metrics(metrics(out), 3, "--enable_vllm_is_correction" in flags)
-    print(f"{name} {engines} engine(s): {time.perf_counter() - t0:.0f} s, max logprob_diff {worst:.1e}")
-
-
 # each flag with one script: both scripts refuse them in common.rl.run, before Ray
 @pytest.mark.parametrize("name,flags,flag", [
     ("train_grpo.py", ["--vllm_enable_sleep", "--colocate_all_models", "--vllm_num_engines", "1"], "--vllm_enable_sleep"),
@@ -464,14 +449,18 @@ def test_grpo_partial_rollout_runs_with_bounded_staleness(tmp_path, ray_head):
     """--async_train --partial_rollout end to end (4 steps, chunks of 2 tokens): every sample's oldest
     token is at most one version behind, rollout/partial_frac is logged, and the trainer never waits
     for whole rollouts before a sync. Where a sync lands depends on timing here; the engine-level test
-    above forces one mid-rollout."""
+    above forces one mid-rollout. The engine is tensor-parallel in a placement group of its own (a
+    bundle of two cores), the layout the reference commands' colocated one (test_rl.py) does not
+    take; the engine-level test above checks such an engine's log-probs against the trainer's."""
     out = str(tmp_path / "run")
     t0 = time.perf_counter()
-    script("train_grpo.py", "--save_path", out, "--async_train", "--partial_rollout", "--partial_rollout_chunk", "2",
-           "--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "4", "--eval_steps", "-1",
-           "--enable_vllm_is_correction")
+    p = script("train_grpo.py", "--save_path", out, "--async_train", "--partial_rollout", "--partial_rollout_chunk", "2",
+               "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2", "--enforce_eager", "--max_steps", "4",
+               "--eval_steps", "-1", "--enable_vllm_is_correction")
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 < r["time/weight_sync_s"] < 30 for r in rows), rows
+    assert re.search(r"vllm +- +1 engines x TP 2 +2 .*group vllm: bundle 0, 2 GPUs each", p.stdout), p.stdout[:3000]
     assert rows[0]["rollout/staleness_max"] == 0 and all(r["rollout/staleness_max"] <= 1 for r in rows), rows
     assert all(0 <= r["rollout/partial_frac"] <= 1 for r in rows)
     assert not any("time/engine_wait_s" in r for r in rows)
