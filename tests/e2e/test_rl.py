@@ -273,29 +273,31 @@ def test_reward_model_path_and_frozen_models_in_the_trained_processes(tmp_path, 
     assert os.path.exists(os.path.join(shared + "_critic", "config.json"))  # OpenRLHF's folder for the critic
 
 
-def test_reward_function_errors_stop_the_run_naming_the_prompt(tmp_path, ray_head, prompt_file):
-    """A reward function that raises ends the run with exit code 2 and one message naming the file, the
-    error and the prompt. Its other bad replies (NaN, a wrong count, non-numbers, a hang) take the same way
-    out of the same check, common.rl.rewards.score_with_function, whose messages tests/test_rewards.py reads."""
-    fn, expect = tmp_path / "bad_reward.py", "raised ValueError: scorer broke"
-    fn.write_text("def reward_func(prompts, completions, labels):\n    raise ValueError('scorer broke')\n")
-    p = script("train_grpo.py", "--save_path", str(tmp_path / "run"), "--reward_func", str(fn),
-               *_prompt_flags(prompt_file), check=False)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert expect in p.stderr and str(fn) in p.stderr and "Repeat:" in p.stderr, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr
-
-
-def test_skip_bad_rewards_drops_samples_and_goes_on(tmp_path, ray_head, prompt_file):
+def test_skip_bad_rewards_drops_samples_goes_on_and_an_unmappable_reply_stops_the_run(tmp_path, ray_head, prompt_file):
+    """--skip_bad_rewards drops a sample whose score is NaN (its whole group) and goes on; a reply no score of
+    which can be mapped to a sample (a wrong count, at step 3) still ends the run, with exit code 2 and one
+    message naming the file and the prompt. (Merged: a function that raises, without the flag, ends the run
+    the same way; its message and the other bad replies' (a non-number, a hang) come from the same check,
+    common.rl.rewards.score_with_function, whose messages tests/unit/test_rewards.py reads.)"""
     fn = tmp_path / "flaky.py"
-    fn.write_text("def reward_func(prompts, completions, labels):\n"
-                  "    return [float('nan') if i == 3 else 0.2 * (i % 3) for i in range(len(completions))]\n")
+    fn.write_text("calls = 0\n\n\n"
+                  "def reward_func(prompts, completions, labels):\n"
+                  "    global calls\n"
+                  "    calls += 1\n"
+                  "    scores = [float('nan') if i == 3 else 0.2 * (i % 3) for i in range(len(completions))]\n"
+                  "    return scores[:-1] if calls == 3 else scores\n")
     out = str(tmp_path / "run")
-    script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), "--skip_bad_rewards", *GRPO_VARIANT,
-           *_prompt_flags(prompt_file))
+    flags = _prompt_flags(prompt_file)
+    flags[flags.index("--max_steps") + 1] = "3"
+    p = script("train_grpo.py", "--save_path", out, "--reward_func", str(fn), "--skip_bad_rewards", *GRPO_VARIANT,
+               *flags, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"--reward_func {fn} returned 63 scores for 64 completions" in p.stderr, p.stderr[-3000:]
+    assert "Repeat:" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     rows = metrics(out)
-    # the NaN sample's whole group (8 samples) is left out of the update; the other 7 groups train
-    assert rows[0]["rollout/skipped_rewards"] == 1 and len(rows) == 2 and "train/policy_loss" in rows[0]
+    # the NaN sample's whole group (8 samples) is left out of each update; the other 7 groups train
+    assert [r["step"] for r in rows] == [1, 2] and [r["rollout/skipped_rewards"] for r in rows] == [1, 1], rows
+    assert "train/policy_loss" in rows[0]
     _check_variant("train_grpo.py", GRPO_VARIANT, rows)
 
 

@@ -143,8 +143,9 @@ FLAGS = {
 _RL_FLAGS = {
     **COMMON,
     "load_in_4bit": (Refused(), Asserted(Q4_TEST, ("common/rl/workers.py", "quantization(lora, self.dist.device)"))),
-    "skip_bad_rewards": Asserted("tests/test_rl.py::test_skip_bad_rewards_drops_samples_and_goes_on",
-                                 ("common/rl/eval.py", 'a["skip_bad_rewards"]')),
+    "skip_bad_rewards": Asserted(
+        "tests/test_rl.py::test_skip_bad_rewards_drops_samples_goes_on_and_an_unmappable_reply_stops_the_run",
+        ("common/rl/eval.py", 'a["skip_bad_rewards"]')),
     "flash_attn": Changes("specs"),
     "use_liger_kernel": Changes("specs"),
     "apply_chat_template": Changes("prompts", USER_PROMPTS),
