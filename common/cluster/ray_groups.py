@@ -46,11 +46,16 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = False, plan: Pla
 
     if ray.is_initialized():
         return ray.cluster_resources()
-    env = {k: os.environ[k] for k in _WORKER_ENV if k in os.environ}
-    kwargs = dict(log_to_driver=log_to_driver, runtime_env={"env_vars": env} if env else None)
     existing = _existing_cluster()
+    kwargs = dict(log_to_driver=log_to_driver)
     try:
         if existing:
+            # Workers of a running cluster have its environment, not ours: pass ours on. (A local
+            # cluster's workers inherit this process's environment; there a job-level runtime_env
+            # only costs each actor a second Python start, ~1 CPU-second, and idles the spare workers.)
+            env = {k: os.environ[k] for k in _WORKER_ENV if k in os.environ}
+            if env:
+                kwargs["runtime_env"] = {"env_vars": env}
             # No explicit address: Ray resolves the same one, and only then picks up the token of
             # a `ray start` cluster on this machine (Ray 2.60 turns token auth on by default).
             ray.init(**kwargs)

@@ -97,7 +97,7 @@ def colocated(ray_cluster):
 
 
 def test_init_ray_reuses_the_running_cluster(ray_cluster):
-    assert init_ray(num_cpus=2)["CPU"] == 8.0
+    assert init_ray(num_cpus=2)["CPU"] == 12.0  # the session head's, not 2
 
 
 def test_two_colocated_groups_each_all_reduce(colocated):
@@ -192,16 +192,16 @@ def test_plan_that_cannot_fit_fails_and_leaves_no_placement_group(ray_cluster):
     from ray.util import placement_group_table
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    with pytest.raises(UserError, match=r"needs 100 CPUs \(actor 100\) but the Ray cluster has 8"):
+    with pytest.raises(UserError, match=r"needs 100 CPUs \(actor 100\) but the Ray cluster has 12"):
         create_placement_groups(cpu_plan((100, 1)), timeout_s=5)
-    # Fits the cluster's 8 CPUs, but one is held: waits, gives up, removes what it asked for.
+    # Fits the cluster's 12 CPUs, but one is held: waits, gives up, removes what it asked for.
     blocker = placement_group([{"CPU": 1.0}])
     ray.get(blocker.ready(), timeout=30)
     before = set(placement_group_table())
     try:
         t0 = time.time()
-        with pytest.raises(UserError, match=r"within 2 s: it needs 8 CPU .* is free"):
-            create_placement_groups(cpu_plan((8, 1)), timeout_s=2)
+        with pytest.raises(UserError, match=r"within 2 s: it needs 12 CPU .* is free"):
+            create_placement_groups(cpu_plan((12, 1)), timeout_s=2)
         assert time.time() - t0 < 10
         new = {k: v for k, v in placement_group_table().items() if k not in before}
         assert new and all(v["state"] == "REMOVED" for v in new.values())
