@@ -1,8 +1,10 @@
 """Ray role groups on a real local Ray: gloo all-reduce inside a group, colocated roles, failures."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -12,6 +14,7 @@ ray = pytest.importorskip("ray")
 from common.errors import UserError  # noqa: E402
 from common.cluster.ray_groups import BaseWorker, RoleGroup, create_placement_groups, init_ray, local_device_index  # noqa: E402
 from common.cluster.resources import plan_resources  # noqa: E402
+from tests.helpers import run  # noqa: E402
 
 # Ray workers cannot import this test module by name (tests/ is not on their path): ship its
 # classes by value instead.
@@ -98,6 +101,38 @@ def colocated(ray_cluster):
 
 def test_init_ray_reuses_the_running_cluster(ray_cluster):
     assert init_ray(num_cpus=2)["CPU"] == 12.0  # the session head's, not 2
+
+
+# A driver that connects with init_ray and asks a task for the worker's environment and job runtime_env.
+_WORKER_ENV_PROBE = """
+import os, ray
+from common.cluster.ray_groups import init_ray
+init_ray(num_cpus=1)
+print(ray.get(ray.remote(lambda: f"cache={os.environ.get('HYBRIDRL_CACHE')} "
+                                f"runtime_env={ray.get_runtime_context().get_runtime_env_string()}").remote()))
+"""
+
+
+def test_workers_see_the_drivers_settings_on_a_local_and_on_a_running_cluster(ray_cluster, tmp_path):
+    """The settings the workers need (HYBRIDRL_CACHE here; the DeepSpeed build cache, offline hub, vLLM's CPU
+    settings) reach them either way: a local cluster's workers inherit the driver's environment, with no job
+    runtime_env (one would cost each actor a second Python start); a running cluster's come through the job's
+    runtime_env, since its workers have the environment of whoever started it."""
+    cache = str(tmp_path / "cache")
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths stay under 108 bytes
+    # no RAY_ADDRESS and a temp dir of its own: a local Ray, not the session's head
+    local = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300,
+                extra_env={"HYBRIDRL_CACHE": cache, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}).stdout
+    # The run's watcher removes its cluster's folder once the driver has gone; not before, since it ends
+    # whatever holds a file in there (a removal of the folder from here included).
+    deadline = time.time() + 60
+    while os.listdir(ray_tmp) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not os.listdir(ray_tmp), os.listdir(ray_tmp)
+    os.rmdir(ray_tmp)
+    running = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300, extra_env={"HYBRIDRL_CACHE": cache}).stdout
+    assert f"cache={cache} runtime_env={{}}" in local, local
+    assert f"cache={cache} runtime_env=" in running and '"env_vars"' in running and cache in running.split("runtime_env=")[1], running
 
 
 def test_two_colocated_groups_each_all_reduce(colocated):
