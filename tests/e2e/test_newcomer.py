@@ -21,11 +21,12 @@ from tests.e2e.test_rl import REFERENCE_PPO
 TAG = "HYBRIDRL_TEST_RUN"  # set in a driver's environment; every Ray process it starts inherits it
 
 
-def _wait(pred, timeout: float, what: str):
+def _wait(pred, timeout: float, what: str, show=None):
+    """Wait for `pred()`; on a timeout, the message adds `show()`: what was still there."""
     deadline = time.monotonic() + timeout
     while not (got := pred()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f": {show()}" if show else ""))
         time.sleep(0.2)
     return got
 
@@ -149,7 +150,8 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
             in stdout), stdout[-2000:]
     ckpt = os.path.join(out, "checkpoints", "actor", f"step{done:08d}")
     assert os.path.isdir(ckpt) and done < 8, (done, os.listdir(os.path.dirname(ckpt)))
-    _wait(lambda: not _run_processes(tag, p.pid), 10, "the run's Ray processes to end")
+    _wait(lambda: not _run_processes(tag, p.pid), 10, "the run's Ray processes to end",
+          show=lambda: _run_processes(tag, p.pid))
     temp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-hybridrl-{p.pid}")
     _wait(lambda: not os.path.exists(temp), 10, f"{temp} to be removed after a run that exited")
 
