@@ -7,7 +7,16 @@ import time
 
 import pytest
 
-from tests.helpers import PY, env, free_port
+from tests.helpers import PY, RAY_HEAD_CPUS, env, free_port
+
+# Every Ray cluster the suite starts (the session's head, a script's own local one, the Slurm jobs')
+# inherits these. Ray's log monitor otherwise lists the log folder ten times a second, its dashboard
+# agent samples every worker's process for metrics nobody reads here, and the first driver gets spare
+# workers started it never uses: about a third of an idle cluster's CPU, which the two cores share
+# with the tests.
+for _k, _v in (("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0"), ("RAY_enable_metrics_collection", "0"),
+               ("RAY_prestart_worker_first_driver", "0")):
+    os.environ.setdefault(_k, _v)
 
 # The files that take longest, longest first (seconds of work in `make test` on the 2-core machine,
 # 2026-12-06: test_slurm ~900, test_rl ~600, test_vllm ~500, test_sft ~400, test_agents ~250, ...).
@@ -18,15 +27,6 @@ from tests.helpers import PY, env, free_port
 # the heaviest: its two-node job starts a second Ray node, whose raylet Ray gives a fixed 30 s to come up,
 # and with the three heaviest files started together it missed that three times running (2026-12-07,
 # fresh venv); at the end it shares the cores with the tail of the others and the unit tests.
-# Every Ray cluster the suite starts (the session's head, a script's own local one, the Slurm jobs')
-# inherits these. Ray's log monitor otherwise lists the log folder ten times a second, its dashboard
-# agent samples every worker's process for metrics nobody reads here, and the first driver gets spare
-# workers started it never uses: about a third of an idle cluster's CPU, which the two cores share
-# with the tests.
-for _k, _v in (("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0"), ("RAY_enable_metrics_collection", "0"),
-               ("RAY_prestart_worker_first_driver", "0")):
-    os.environ.setdefault(_k, _v)
-
 LAST = ("e2e/test_slurm.py",)
 HEAVIEST_FIRST = ("e2e/test_rl.py", "e2e/test_vllm.py", "e2e/test_sft.py", "e2e/test_agents.py",
                   "e2e/test_newcomer.py", "e2e/test_rm_dpo.py", "e2e/test_vllm_lora.py", "e2e/test_reliability.py",
@@ -52,8 +52,7 @@ def ray_cluster(ray_head):
 
     One cluster per pytest worker, not two: an idle Ray cluster's own processes (GCS, raylet, log
     monitor, dashboard and its agent) take ~3 CPU-seconds a minute, and the suite's clusters live for
-    the whole session. The head has 12 logical CPUs so that a file's in-process engines (a module's
-    rig) and the scripts its other tests run fit beside each other; CPU workers mostly wait on each other.
+    the whole session (the head's RAY_HEAD_CPUS leave room for both kinds of test).
     """
     ray = pytest.importorskip("ray")
     ray.init(address=ray_head, log_to_driver=False)
@@ -73,7 +72,7 @@ def ray_head(tmp_path_factory):
     ray_bin = os.path.join(os.path.dirname(PY), "ray")
     e = env() | {"RAY_AUTH_MODE": "disabled"}
     log = open(temp / "ray_start.log", "w+")
-    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=12", "--include-dashboard=false",
+    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={RAY_HEAD_CPUS}", "--include-dashboard=false",
                              "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
                             env=e, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 from common.errors import UserError  # noqa: E402
 from common.cluster.ray_groups import BaseWorker, RoleGroup, create_placement_groups, init_ray, local_device_index  # noqa: E402
 from common.cluster.resources import plan_resources  # noqa: E402
-from tests.helpers import run  # noqa: E402
+from tests.helpers import RAY_HEAD_CPUS, run  # noqa: E402
 
 # Ray workers cannot import this test module by name (tests/ is not on their path): ship its
 # classes by value instead.
@@ -100,7 +100,7 @@ def colocated(ray_cluster):
 
 
 def test_init_ray_reuses_the_running_cluster(ray_cluster):
-    assert init_ray(num_cpus=2)["CPU"] == 12.0  # the session head's, not 2
+    assert init_ray(num_cpus=2)["CPU"] == RAY_HEAD_CPUS  # the session head's, not 2
 
 
 # A driver that connects with init_ray and asks a task for the worker's environment and job runtime_env.
@@ -125,10 +125,9 @@ def test_workers_see_the_drivers_settings_on_a_local_and_on_a_running_cluster(ra
                 extra_env={"HYBRIDRL_CACHE": cache, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}).stdout
     # The run's watcher removes its cluster's folder once the driver has gone; not before, since it ends
     # whatever holds a file in there (a removal of the folder from here included).
-    deadline = time.time() + 60
-    while os.listdir(ray_tmp) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not os.listdir(ray_tmp), os.listdir(ray_tmp)
+    from tests.e2e.test_newcomer import _wait
+
+    _wait(lambda: not os.listdir(ray_tmp), 60, f"the run's watcher to empty {ray_tmp}", show=lambda: os.listdir(ray_tmp))
     os.rmdir(ray_tmp)
     running = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300, extra_env={"HYBRIDRL_CACHE": cache}).stdout
     assert f"cache={cache} runtime_env={{}}" in local, local
@@ -227,16 +226,16 @@ def test_plan_that_cannot_fit_fails_and_leaves_no_placement_group(ray_cluster):
     from ray.util import placement_group_table
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    with pytest.raises(UserError, match=r"needs 100 CPUs \(actor 100\) but the Ray cluster has 12"):
+    with pytest.raises(UserError, match=rf"needs 100 CPUs \(actor 100\) but the Ray cluster has {RAY_HEAD_CPUS}\b"):
         create_placement_groups(cpu_plan((100, 1)), timeout_s=5)
-    # Fits the cluster's 12 CPUs, but one is held: waits, gives up, removes what it asked for.
+    # Fits the cluster's CPUs, but one is held: waits, gives up, removes what it asked for.
     blocker = placement_group([{"CPU": 1.0}])
     ray.get(blocker.ready(), timeout=30)
     before = set(placement_group_table())
     try:
         t0 = time.time()
-        with pytest.raises(UserError, match=r"within 2 s: it needs 12 CPU .* is free"):
-            create_placement_groups(cpu_plan((12, 1)), timeout_s=2)
+        with pytest.raises(UserError, match=rf"within 2 s: it needs {RAY_HEAD_CPUS} CPU .* is free"):
+            create_placement_groups(cpu_plan((RAY_HEAD_CPUS, 1)), timeout_s=2)
         assert time.time() - t0 < 10
         new = {k: v for k, v in placement_group_table().items() if k not in before}
         assert new and all(v["state"] == "REMOVED" for v in new.values())
