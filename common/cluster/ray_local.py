@@ -8,9 +8,11 @@ terminal's Ctrl-C does not reach it) that waits for the driver's exit and then e
 of that cluster: SIGTERM, then SIGKILL a second later for what is still there.
 
 The cluster's processes are told apart from any other Ray on the machine (other runs, the test
-suite's cluster, a `ray start` cluster) by the run's own temp folder (`ray-hybridrl-<pid>`, in
-RAY_TMPDIR or /tmp: in their command lines or among their open files, the session's logs) and by a
-mark in their environment, which all of them inherit from the driver. The temp folder is removed
+suite's cluster, a `ray start` cluster) by a mark in their environment, which all of them inherit
+from the driver, and by the run's own temp folder (`ray-hybridrl-<pid>`, in RAY_TMPDIR or /tmp):
+their stdout or stderr is a log file in there (Ray points what it starts, and so their children, at
+the session's logs), or Ray's own program names the folder in its command line. A process that only
+reads a file in there (a user's `tail -f` of a worker's log) is not the run's and is left alone. The temp folder is removed
 after a driver that exited (its `atexit` ran) and kept, with Ray's logs, after a kill. A driver
 that joins an existing cluster (RAY_ADDRESS, `ray job submit`, `ray start`) starts no watcher:
 that cluster is not its to stop.
@@ -54,8 +56,9 @@ def _mark_exited(temp: str) -> None:
 
 
 def run_processes(mark: str, temp: str) -> list[int]:
-    """Live processes of the run's cluster (not this one): the mark in their environment, or the temp
-    folder in their command line or open files (a process title can overwrite the environment's memory)."""
+    """Live processes of the run's cluster (not this one): the mark in their environment, or (a process
+    title can overwrite the environment's memory) stdout or stderr in the temp folder, or a Ray program
+    with the folder in its command line."""
     needle, folder, me = f"{MARK}={mark}".encode(), temp.encode(), os.getpid()
     found = []
     for name in os.listdir("/proc"):
@@ -65,16 +68,33 @@ def run_processes(mark: str, temp: str) -> list[int]:
             with open(f"/proc/{name}/environ", "rb") as f:
                 ours = needle in f.read().split(b"\0")
             if not ours:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    ours = folder in f.read()
+                ours = any(_fd_path(name, fd).startswith(temp + "/") for fd in (1, 2))
             if not ours:
-                fd_dir = f"/proc/{name}/fd"
-                ours = any(os.readlink(os.path.join(fd_dir, fd)).startswith(temp + "/") for fd in os.listdir(fd_dir))
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+                ours = any(folder in a for a in args) and _is_ray(args, folder)
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if ours:
             found.append(int(name))
     return found
+
+
+def _fd_path(pid: str, fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:  # closed
+        return ""
+
+
+def _is_ray(args: list[bytes], folder: bytes) -> bool:
+    """A Ray process by its command line: a `ray::` title, or a program or script of the ray package
+    (raylet, gcs_server, log_monitor.py, `-m ray...`); the run's folder is left out of the test, as it
+    may itself sit under a folder called ray."""
+    if args[0].startswith(b"ray::"):
+        return True
+    head = [a.replace(folder, b"") for a in args[:3]]
+    return any(b"/ray/" in a or a.startswith(b"ray.") or a == b"ray" for a in head)
 
 
 def _wait_for_exit(pid: int) -> None:
@@ -89,7 +109,8 @@ def _wait_for_exit(pid: int) -> None:
     select.select([fd], [], [])
 
 
-def _stop(mark: str, temp: str, timeout_s: float = 8.0) -> None:
+def _stop(mark: str, temp: str, timeout_s: float = 20.0) -> None:
+    # 20 s: a busy machine slows the scans of /proc and the exits; the loop ends as soon as none is left
     termed: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

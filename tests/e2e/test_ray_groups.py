@@ -123,8 +123,7 @@ def test_workers_see_the_drivers_settings_on_a_local_and_on_a_running_cluster(ra
     # no RAY_ADDRESS and a temp dir of its own: a local Ray, not the session's head
     local = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300,
                 extra_env={"HYBRIDRL_CACHE": cache, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}).stdout
-    # The run's watcher removes its cluster's folder once the driver has gone; not before, since it ends
-    # whatever holds a file in there (a removal of the folder from here included).
+    # The run's watcher removes its cluster's folder once the driver has gone: wait for it rather than race it.
     from tests.e2e.test_newcomer import _wait
 
     _wait(lambda: not os.listdir(ray_tmp), 60, f"the run's watcher to empty {ray_tmp}", show=lambda: os.listdir(ray_tmp))
