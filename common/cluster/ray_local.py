@@ -11,8 +11,9 @@ The cluster's processes are told apart from any other Ray on the machine (other 
 suite's cluster, a `ray start` cluster) by a mark in their environment, which all of them inherit
 from the driver, and by the run's own temp folder (`ray-hybridrl-<pid>`, in RAY_TMPDIR or /tmp):
 their stdout or stderr is a log file in there (Ray points what it starts, and so their children, at
-the session's logs), or Ray's own program names the folder in its command line. A process that only
-reads a file in there (a user's `tail -f` of a worker's log) is not the run's and is left alone. The temp folder is removed
+the session's logs), or a Ray program (`ray::DashboardAgent`, the raylet) names the folder in its
+command line or holds a file of it open. A process that only reads a file in there (a user's
+`tail -f` of a worker's log) is not the run's and is left alone. The temp folder is removed
 after a driver that exited (its `atexit` ran) and kept, with Ray's logs, after a kill. A driver
 that joins an existing cluster (RAY_ADDRESS, `ray job submit`, `ray start`) starts no watcher:
 that cluster is not its to stop.
@@ -58,7 +59,7 @@ def _mark_exited(temp: str) -> None:
 def run_processes(mark: str, temp: str) -> list[int]:
     """Live processes of the run's cluster (not this one): the mark in their environment, or (a process
     title can overwrite the environment's memory) stdout or stderr in the temp folder, or a Ray program
-    with the folder in its command line."""
+    with the folder in its command line or a file of it open."""
     needle, folder, me = f"{MARK}={mark}".encode(), temp.encode(), os.getpid()
     found = []
     for name in os.listdir("/proc"):
@@ -72,7 +73,9 @@ def run_processes(mark: str, temp: str) -> list[int]:
             if not ours:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     args = f.read().split(b"\0")
-                ours = any(folder in a for a in args) and _is_ray(args, folder)
+                # Ray's agents run with neither the mark nor their output in the folder, only its log files open
+                ours = _is_ray(args, folder) and (any(folder in a for a in args) or any(
+                    _fd_path(name, int(fd)).startswith(temp + "/") for fd in os.listdir(f"/proc/{name}/fd")))
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if ours:

@@ -32,6 +32,9 @@ def test_the_watcher_ends_the_runs_processes_and_leaves_a_reader_of_its_logs(tmp
         # a program of the ray package that names the run's folder (raylet, log monitor, dashboard)
         "ray program": subprocess.Popen([sys.executable, str(fake_pkg / "log_monitor.py"), f"--logs-dir={logs}"],
                                         env=env),
+        # Ray's agents: a `ray::` title, neither the mark nor their output in the folder, its log files open
+        "ray agent": subprocess.Popen(["bash", "-c", 'exec -a "ray::DashboardAgent" sleep 60 3>>"$0"',
+                                       str(logs / "dashboard_agent.log")], env=env, stdout=subprocess.DEVNULL),
         # a user following a worker's log: the folder in its command line and a file of it open
         "reader": subprocess.Popen(["tail", "-f", str(logs / "worker-1.out")], env=env, stdout=subprocess.DEVNULL),
         # the same mark's text in another variable, and another run's folder: not this run
@@ -42,7 +45,7 @@ def test_the_watcher_ends_the_runs_processes_and_leaves_a_reader_of_its_logs(tmp
         time.sleep(0.5)  # tail has opened its file
         found = set(ray_local.run_processes(mark, str(temp)))
         named = {name for name, p in procs.items() if p.pid in found}
-        assert named == {"marked", "logging", "ray program"}, named
+        assert named == {"marked", "logging", "ray program", "ray agent"}, named
         ray_local._stop(mark, str(temp), timeout_s=5)
         assert [name for name, p in procs.items() if p.poll() is None] == ["reader", "other run"]
     finally:
