@@ -1,15 +1,9 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
-import signal
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -54,11 +48,11 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def ray_cluster(ray_head):
-    """This process connected to the suite's `ray_head` cluster, for tests that drive Ray in-process.
+    """This process connected to the session's `ray_head` cluster, for tests that drive Ray in-process.
 
-    One cluster for the whole suite, not one per test or per pytest worker: an idle Ray cluster's own
-    processes (GCS, raylet, autoscaler monitor, client server, dashboard and its agent) take ~7
-    CPU-seconds a minute on this machine, and the suite's clusters live for the whole run.
+    One cluster per pytest worker, not two: an idle Ray cluster's own processes (GCS, raylet, log
+    monitor, dashboard and its agent) take ~3 CPU-seconds a minute, and the suite's clusters live for
+    the whole session (the head's RAY_HEAD_CPUS leave room for both kinds of test).
     """
     ray = pytest.importorskip("ray")
     ray.init(address=ray_head, log_to_driver=False)
@@ -66,82 +60,36 @@ def ray_cluster(ray_head):
     ray.shutdown()
 
 
-@contextlib.contextmanager
-def _locked(path):
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
-    """A `ray start --head` cluster shared by the suite's pytest workers; scripts find it through RAY_ADDRESS.
+    """A `ray start --head` cluster for the session; scripts find it through RAY_ADDRESS.
 
-    The first worker to ask starts it; the last one done stops it (a count in a file next to the workers'
-    temp folders, under a lock). `--block` keeps `ray start` in the foreground, so stopping it stops this
-    cluster alone: `ray stop` would kill every Ray process on the machine, other sessions' clusters included.
+    `--block` keeps `ray start` in the foreground, so the teardown can stop this cluster alone:
+    `ray stop` would kill every Ray process on the machine, other sessions' clusters included.
     """
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this run
-    state = root / "ray_head.json"
-    with _locked(root / "ray_head.lock"):
-        # a worker that asks after the others were done starts it again, in a folder of its own
-        head = json.loads(state.read_text()) if state.exists() else _start_head(Path(tempfile.mkdtemp("", "ray", root)))
-        head["users"] += 1
-        state.write_text(json.dumps(head))
-    os.environ["RAY_ADDRESS"] = head["address"]
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    yield head["address"]
-    os.environ.pop("RAY_ADDRESS")
-    with _locked(root / "ray_head.lock"):
-        head = json.loads(state.read_text())
-        head["users"] -= 1
-        state.write_text(json.dumps(head))
-        if head["users"] == 0:
-            _stop(head["pid"])
-            state.unlink()
-
-
-def _start_head(temp) -> dict:
     port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
     ray_bin = os.path.join(os.path.dirname(PY), "ray")
     e = env() | {"RAY_AUTH_MODE": "disabled"}
-    with open(temp / "ray_start.log", "w") as log:
-        # a session of its own: the worker that starts it may be done before the others
-        head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={RAY_HEAD_CPUS}",
-                                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
-                                env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(temp / "ray_start.log", "w+")
+    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={RAY_HEAD_CPUS}", "--include-dashboard=false",
+                             "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
+                            env=e, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while "Ray runtime started" not in (temp / "ray_start.log").read_text():
         if head.poll() is not None or time.time() > deadline:
             head.kill()
             raise RuntimeError(f"ray start failed:\n{(temp / 'ray_start.log').read_text()[-3000:]}")
         time.sleep(0.5)
-    return {"address": f"127.0.0.1:{port}", "pid": head.pid, "users": 0}
-
-
-def _stop(pid: int) -> None:
-    """SIGTERM: `ray start --block` then stops the processes it started; SIGKILL after 60 s."""
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + 60
-    while _alive(pid):
-        if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.2)
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    os.environ["HYBRIDRL_TEST_RAY_HEAD_PID"] = str(head.pid)  # whose process tree holds this cluster's workers
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield os.environ["RAY_ADDRESS"]
+    os.environ.pop("RAY_ADDRESS")
+    head.terminate()  # SIGTERM: `ray start --block` then stops the processes it started
     try:
-        os.waitpid(pid, os.WNOHANG)  # ours to reap when this worker started it
-    except ChildProcessError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
+    log.close()

@@ -8,10 +8,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-# Logical CPUs of the suite's `ray start` head (tests/conftest.py), 12 for each of `make test`'s three pytest
-# workers: a module's in-process engines and the scripts its tests run fit beside each other's; CPU workers
-# mostly wait on each other.
-RAY_HEAD_CPUS = 36
+# Logical CPUs of the session's `ray start` head (tests/conftest.py): a module's in-process engines and the
+# scripts its tests run fit beside each other; CPU workers mostly wait on each other.
+RAY_HEAD_CPUS = 12
 
 
 def env() -> dict:

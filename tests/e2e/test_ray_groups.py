@@ -236,9 +236,7 @@ def test_plan_that_cannot_fit_fails_and_leaves_no_placement_group(ray_cluster):
         with pytest.raises(UserError, match=rf"within 2 s: it needs {RAY_HEAD_CPUS} CPU .* is free"):
             create_placement_groups(cpu_plan((RAY_HEAD_CPUS, 1)), timeout_s=2)
         assert time.time() - t0 < 10
-        # other test jobs share the cluster: ours are the groups that asked for all its CPUs
-        new = {k: v for k, v in placement_group_table().items() if k not in before
-               and sum(b.get("CPU", 0) for b in v["bundles"].values()) == RAY_HEAD_CPUS}
+        new = {k: v for k, v in placement_group_table().items() if k not in before}
         assert new and all(v["state"] == "REMOVED" for v in new.values())
     finally:
         remove_placement_group(blocker)

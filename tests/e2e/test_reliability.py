@@ -209,29 +209,35 @@ def _prompts(tmp_path):
     return str(path)
 
 
-def _environ_has(pid: int, text: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return text in f.read()
-    except OSError:  # gone meanwhile
-        return False
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it, from /proc's parent ids."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except OSError:  # gone meanwhile
+                continue
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
 
 
 def test_a_killed_worker_ends_the_run_naming_it(tmp_path, ray_head):
     out = str(tmp_path / "run")
     args = [PY, os.path.join(ROOT, "train_grpo.py"), "--save_path", out, "--max_steps", "200", "--eval_steps", "-1",
             "--rollout_batch_size", "8"]
-    # The suite's Ray cluster runs other tests' jobs beside this one: a path no one else has, on the PYTHONPATH the
-    # driver passes to its workers, tells this run's workers apart.
-    tag = f"{os.pathsep}/nonexistent-{uuid.uuid4().hex}".encode()
-    e = env()
-    e["PYTHONPATH"] = e.get("PYTHONPATH", "") + tag.decode()
-    p = subprocess.Popen(args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mpath = os.path.join(out, "metrics.jsonl")
     _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 1, 180, "the first step")
-    try:  # Ray titles each actor's process "ray::<Class>..."; kill one model worker of this run with SIGKILL
+    try:  # Ray titles each actor's process "ray::<Class>..."; kill one model worker of this cluster with SIGKILL
+        ours = _descendants(int(os.environ["HYBRIDRL_TEST_RAY_HEAD_PID"]))  # not another test's cluster beside it
         pids = [q for q in subprocess.run(["pgrep", "-f", "ray::ModelWorker"], capture_output=True, text=True).stdout.split()
-                if _environ_has(int(q), tag)]
+                if int(q) in ours]
         assert pids, "no model worker process found"
         os.kill(int(pids[0]), signal.SIGKILL)
     except BaseException:
