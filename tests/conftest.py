@@ -50,9 +50,10 @@ def pytest_collection_modifyitems(session, config, items):
 def ray_cluster(ray_head):
     """This process connected to the session's `ray_head` cluster, for tests that drive Ray in-process.
 
-    One cluster per pytest worker, not two: an idle Ray cluster's own processes (GCS, raylet, log
-    monitor, dashboard and its agent) take ~3 CPU-seconds a minute, and the suite's clusters live for
-    the whole session (the head's RAY_HEAD_CPUS leave room for both kinds of test).
+    One cluster per pytest worker, not two: an idle Ray head's own processes (GCS, raylet, log monitor,
+    dashboard and its agent, client server, autoscaler monitor) took 6.9 CPU-seconds a minute here
+    (2026-12-07, dev/LOG.md), and the suite's clusters live for the whole session (the head's
+    RAY_HEAD_CPUS leave room for both kinds of test).
     """
     ray = pytest.importorskip("ray")
     ray.init(address=ray_head, log_to_driver=False)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -20,6 +21,16 @@ def env() -> dict:
     e["PYTHONUNBUFFERED"] = "1"
     e["COLUMNS"] = "200"  # rich wraps --help at the terminal width
     return e
+
+
+def wait_for(pred, timeout: float, what: str, show=None):
+    """Wait for `pred()` and return it; on a timeout, the message adds `show()`: what was still there."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f": {show()}" if show else ""))
+        time.sleep(0.2)
+    return got
 
 
 def free_port() -> int:

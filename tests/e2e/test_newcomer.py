@@ -15,20 +15,10 @@ import uuid
 
 import pytest
 
-from tests.helpers import PY, ROOT, env, free_port, metrics
+from tests.helpers import PY, ROOT, env, free_port, metrics, wait_for
 from tests.e2e.test_rl import REFERENCE_PPO
 
 TAG = "HYBRIDRL_TEST_RUN"  # set in a driver's environment; every Ray process it starts inherits it
-
-
-def _wait(pred, timeout: float, what: str, show=None):
-    """Wait for `pred()`; on a timeout, the message adds `show()`: what was still there."""
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f": {show()}" if show else ""))
-        time.sleep(0.2)
-    return got
 
 
 def _run_processes(tag: str, driver_pid: int) -> list[str]:
@@ -67,7 +57,7 @@ def two_cpu_cluster(tmp_path_factory):
                              "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
                              f"--temp-dir={temp}", "--block"], env=e, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: "Ray runtime started" in (temp / "start.log").read_text() or head.poll() is not None, 120,
+        wait_for(lambda: "Ray runtime started" in (temp / "start.log").read_text() or head.poll() is not None, 120,
               "ray start")
         assert head.poll() is None, (temp / "start.log").read_text()[-3000:]
         yield f"127.0.0.1:{port}"
@@ -139,7 +129,7 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
     # shell reports for a command Ctrl-C ended: `make pipeline` and `&&` chains stop there).
     tag = uuid.uuid4().hex
     p = subprocess.Popen(cmd, cwd=ROOT, env=_driver_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: steps_logged() >= 1 or p.poll() is not None, 240, "the first step")
+    wait_for(lambda: steps_logged() >= 1 or p.poll() is not None, 240, "the first step")
     p.send_signal(signal.SIGINT)  # what the terminal sends the driver on Ctrl-C
     stdout, stderr = p.communicate(timeout=180)
     assert p.returncode == 130, stderr[-3000:]
@@ -151,22 +141,22 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
     ckpt = os.path.join(out, "checkpoints", "actor", f"step{done:08d}")
     assert os.path.isdir(ckpt) and done < 8, (done, os.listdir(os.path.dirname(ckpt)))
     # 30 s: seconds alone, but the suite keeps both cores busy beside it
-    _wait(lambda: not _run_processes(tag, p.pid), 30, "the run's Ray processes to end",
+    wait_for(lambda: not _run_processes(tag, p.pid), 30, "the run's Ray processes to end",
           show=lambda: _run_processes(tag, p.pid))
     temp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-hybridrl-{p.pid}")
-    _wait(lambda: not os.path.exists(temp), 30, f"{temp} to be removed after a run that exited")
+    wait_for(lambda: not os.path.exists(temp), 30, f"{temp} to be removed after a run that exited")
 
     # Second run: resumes from that checkpoint; SIGKILLed at its first step, it leaves nothing behind.
     tag = uuid.uuid4().hex
     p = subprocess.Popen([*cmd, "--load_checkpoint"], cwd=ROOT, env=_driver_env(tag), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    _wait(lambda: steps_logged() > done or p.poll() is not None, 240, "a step of the resumed run")
+    wait_for(lambda: steps_logged() > done or p.poll() is not None, 240, "a step of the resumed run")
     assert _run_processes(tag, p.pid), "the resumed run shows no Ray process: the test would prove nothing"
     p.kill()
     text = p.communicate(timeout=30)[0]
     assert f"resumed from: {ckpt}" in text, text[-3000:]
     assert [r["step"] for r in metrics(out)][:done + 1] == list(range(1, done + 2))  # continued after the checkpoint
-    _wait(lambda: not _run_processes(tag, p.pid), 30, "the killed run's Ray processes to end",
+    wait_for(lambda: not _run_processes(tag, p.pid), 30, "the killed run's Ray processes to end",
           show=lambda: _run_processes(tag, p.pid))
     temp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-hybridrl-{p.pid}")
     assert os.path.isdir(os.path.join(temp, "session_latest", "logs")), "Ray's logs are kept after a kill"

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 from common.errors import UserError  # noqa: E402
 from common.cluster.ray_groups import BaseWorker, RoleGroup, create_placement_groups, init_ray, local_device_index  # noqa: E402
 from common.cluster.resources import plan_resources  # noqa: E402
-from tests.helpers import RAY_HEAD_CPUS, run  # noqa: E402
+from tests.helpers import RAY_HEAD_CPUS, run, wait_for  # noqa: E402
 
 # Ray workers cannot import this test module by name (tests/ is not on their path): ship its
 # classes by value instead.
@@ -124,9 +124,7 @@ def test_workers_see_the_drivers_settings_on_a_local_and_on_a_running_cluster(ra
     local = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300,
                 extra_env={"HYBRIDRL_CACHE": cache, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}).stdout
     # The run's watcher removes its cluster's folder once the driver has gone: wait for it rather than race it.
-    from tests.e2e.test_newcomer import _wait
-
-    _wait(lambda: not os.listdir(ray_tmp), 60, f"the run's watcher to empty {ray_tmp}", show=lambda: os.listdir(ray_tmp))
+    wait_for(lambda: not os.listdir(ray_tmp), 60, f"the run's watcher to empty {ray_tmp}", show=lambda: os.listdir(ray_tmp))
     os.rmdir(ray_tmp)
     running = run([sys.executable, "-c", _WORKER_ENV_PROBE], timeout=300, extra_env={"HYBRIDRL_CACHE": cache}).stdout
     assert f"cache={cache} runtime_env={{}}" in local, local

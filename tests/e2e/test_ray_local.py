@@ -27,8 +27,7 @@ def test_the_watcher_ends_the_runs_processes_and_leaves_a_reader_of_its_logs(tmp
         # what the driver started: its environment carries the mark
         "marked": subprocess.Popen(["sleep", "60"], env={**env, ray_local.MARK: mark}),
         # what Ray started with a title over its environment: its output goes to the session's logs
-        "logging": subprocess.Popen(["sleep", "60"], env=env, stdout=open(logs / "worker-1.out", "a"),
-                                    stderr=subprocess.STDOUT),
+        "logging": subprocess.Popen(["bash", "-c", 'exec sleep 60 >>"$0" 2>&1', str(logs / "worker-1.out")], env=env),
         # a program of the ray package that names the run's folder (raylet, log monitor, dashboard)
         "ray program": subprocess.Popen([sys.executable, str(fake_pkg / "log_monitor.py"), f"--logs-dir={logs}"],
                                         env=env),

@@ -15,16 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.helpers import PY, ROOT, env, free_port, metrics, script
-
-
-def _wait_for(pred, timeout, what):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.helpers import PY, ROOT, env, free_port, metrics, script, wait_for
 
 
 def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(tmp_path):
@@ -34,7 +25,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(tmp_path):
     args = [PY, os.path.join(ROOT, "train_rm.py"), "--save_path", out, "--max_steps", "400", "--eval_steps", "-1"]
     p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mpath = os.path.join(out, "metrics.jsonl")
-    _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 3, 120, "a few steps")
+    wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 3, 120, "a few steps")
     p.send_signal(signal.SIGTERM)  # what Slurm sends before preempting or requeueing a job
     text, _ = p.communicate(timeout=120)
     assert p.returncode == 143, text[-2000:]
@@ -233,7 +224,7 @@ def test_a_killed_worker_ends_the_run_naming_it(tmp_path, ray_head):
             "--rollout_batch_size", "8"]
     p = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mpath = os.path.join(out, "metrics.jsonl")
-    _wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 1, 180, "the first step")
+    wait_for(lambda: os.path.exists(mpath) and len(open(mpath).readlines()) >= 1, 180, "the first step")
     try:  # Ray titles each actor's process "ray::<Class>..."; kill one model worker of this cluster with SIGKILL
         ours = _descendants(int(os.environ["HYBRIDRL_TEST_RAY_HEAD_PID"]))  # not another test's cluster beside it
         pids = [q for q in subprocess.run(["pgrep", "-f", "ray::ModelWorker"], capture_output=True, text=True).stdout.split()
