@@ -105,10 +105,10 @@ pipeline: install
 # cores are then busy ~90% of the time, with more runnable threads than cores: OpenMP threads that wait
 # passively instead of spinning take ~10% off the whole suite (24:21 -> 21:46 together with merged Slurm
 # jobs, 2026-12-05). The scripts' own default (a short spin, common/cpu_threads.py) gives way to it.
-# The heaviest files go first, the Slurm file last (tests/conftest.py lists them and says why;
-# --no-loadscope-reorder keeps that order): by
-# default xdist orders files by their number of tests, which left few-test heavy files for last
-# (24:26 -> 22:16-23:56 on 2026-12-06; runs differ by a minute or two).
+# The heaviest files go first, the Slurm file after them (tests/conftest.py lists them and says why;
+# --no-loadscope-reorder keeps that order): by default xdist orders files by their number of tests,
+# which left few-test heavy files for last (24:26 -> 22:16-23:56 on 2026-12-06; runs differ by a minute
+# or two). tests/conftest.py also gives each process of the suite one torch thread.
 # tests/unit/: no processes (its conftest refuses a spawn), about 30 s on 2 cores; tests/e2e/: scripts, Ray, vLLM, Slurm.
 test-unit: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests/unit -q -n 2

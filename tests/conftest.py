@@ -17,20 +17,27 @@ from tests.helpers import PY, RAY_HEAD_CPUS, env, free_port
 for _k, _v in (("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0"), ("RAY_enable_metrics_collection", "0"),
                ("RAY_prestart_worker_first_driver", "0")):
     os.environ.setdefault(_k, _v)
+# One torch thread per process, in pytest and in every process it starts (the Ray workers already take
+# one, common/cluster/ray_groups.py). The three pytest workers keep both cores busy, so a second thread
+# only waits for a core; on the tiny model it also costs more than it splits. Three `train_sft.py
+# --max_steps 150` at once on the 2 cores: 42 s with torch's default two threads each, 33 s with one
+# (CPU 27 -> 21 s each); one alone: 24 -> 20 s (2026-12-07).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The files that take longest, longest first (seconds of work in `make test` on the 2-core machine,
-# 2026-12-06: test_slurm ~900, test_rl ~600, test_vllm ~500, test_sft ~400, test_agents ~250, ...).
+# 2026-12-07: test_vllm ~600, test_rl ~600, test_sft ~400, test_vllm_lora ~350, test_agents ~230, ...).
 # pytest-xdist's --dist loadfile hands a worker one file at a time, and by default in order of their
 # number of tests, which put the few-test heavy files (agents, LoRA with vLLM, newcomer) last, where a
 # long one kept the suite waiting on one worker; the Makefile passes --no-loadscope-reorder so this order
-# holds. Files not listed follow, e2e before unit. The Slurm file goes last of the e2e files, though it is
-# the heaviest: its two-node job starts a second Ray node, whose raylet Ray gives a fixed 30 s to come up,
-# and with the three heaviest files started together it missed that three times running (2026-12-07,
-# fresh venv); at the end it shares the cores with the tail of the others and the unit tests.
-LAST = ("e2e/test_slurm.py",)
+# holds. Files not listed follow, e2e before unit. The Slurm file (~160 s) comes after the other heavy
+# ones: its two-node job starts a second Ray node, whose raylet Ray gives a fixed 30 s to come up, and
+# with the three heaviest files started together it missed that three times running (2026-12-07, fresh
+# venv). Handed out last of all e2e files, it ran alone for its last ~100 s while the other two workers
+# had nothing left (1,252 s against 1,139 and 1,151, 2026-12-07); here it starts ~900 s in, beside
+# lighter files without vLLM.
 HEAVIEST_FIRST = ("e2e/test_rl.py", "e2e/test_vllm.py", "e2e/test_sft.py", "e2e/test_agents.py",
                   "e2e/test_newcomer.py", "e2e/test_rm_dpo.py", "e2e/test_vllm_lora.py", "e2e/test_reliability.py",
-                  "e2e/test_loss_agg.py", "e2e/test_lora.py", "e2e/test_wheel.py")
+                  "e2e/test_loss_agg.py", "e2e/test_lora.py", "e2e/test_wheel.py", "e2e/test_slurm.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -39,9 +46,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     def order(item):
         rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
-        if rel in LAST:
-            return len(rank) + 1
-        return rank.get(rel, len(rank) + (0 if rel.startswith("e2e/") else 2))
+        return rank.get(rel, len(rank) + (0 if rel.startswith("e2e/") else 1))
 
     items.sort(key=order)  # stable: each file keeps its own order
 
