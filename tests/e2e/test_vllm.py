@@ -434,7 +434,9 @@ def test_async_queue_size_0_is_the_synchronous_loop(tmp_path, ray_head):
              "--logprob_diff_steps", "1", "--enable_vllm_is_correction", *PPO_SMALL]
     sync, queued = str(tmp_path / "sync"), str(tmp_path / "queued")
     t0 = time.perf_counter()
-    script("train_ppo.py", "--save_path", sync, *flags, "--vllm_sync_backend", "ray")
+    # the reference in the actor's processes here too (one process fewer; the queued run's
+    # --colocate_all_models puts it there as well; test_rl.py shows the numbers equal a process per role's)
+    script("train_ppo.py", "--save_path", sync, *flags, "--vllm_sync_backend", "ray", "--colocate_actor_ref")
     worst = _check_engine_metrics(metrics(sync), 3, is_correction=True)
     script("train_ppo.py", "--save_path", queued, *flags, "--async_train", "--async_queue_size", "0",
            "--colocate_all_models")
@@ -456,7 +458,7 @@ def test_grpo_partial_rollout_runs_with_bounded_staleness(tmp_path, ray_head):
     t0 = time.perf_counter()
     p = script("train_grpo.py", "--save_path", out, "--async_train", "--partial_rollout", "--partial_rollout_chunk", "2",
                "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2", "--enforce_eager", "--max_steps", "4",
-               "--eval_steps", "-1", "--enable_vllm_is_correction")
+               "--eval_steps", "-1", "--enable_vllm_is_correction", "--colocate_actor_ref")
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(0 < r["time/weight_sync_s"] < 30 for r in rows), rows
@@ -475,8 +477,10 @@ def test_grpo_async_reward_rises_with_bounded_staleness_and_resumes_exactly(tmp_
     mode, and a resumed run repeats the uninterrupted one after its checkpoint (the rollout in flight
     then is regenerated from the checkpoint's weights)."""
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    # --colocate_actor_ref: the reference in the actor's process, one process fewer per run (the same
+    # numbers as a process per role: test_rl.py)
     flags = ["--async_train", "--vllm_num_engines", "1", "--enforce_eager", "--max_steps", "10", "--save_steps", "5",
-             "--eval_steps", "-1", "--enable_vllm_is_correction"]
+             "--eval_steps", "-1", "--enable_vllm_is_correction", "--colocate_actor_ref"]
     t0 = time.perf_counter()
     p = script("train_grpo.py", "--save_path", full, *flags)
     took = time.perf_counter() - t0
