@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # ones: its two-node job starts a second Ray node, whose raylet Ray gives a fixed 30 s to come up, and
 # with the three heaviest files started together it missed that three times running (2026-12-07, fresh
 # venv). Handed out last of all e2e files, it ran alone for its last ~100 s while the other two workers
-# had nothing left (1,252 s against 1,139 and 1,151, 2026-12-07); here it starts ~900 s in, beside
+# had nothing left (1,252 s against 1,139 and 1,151, 2026-12-07); here it starts ~750-820 s in, beside
 # lighter files without vLLM.
 HEAVIEST_FIRST = ("e2e/test_rl.py", "e2e/test_vllm.py", "e2e/test_sft.py", "e2e/test_agents.py",
                   "e2e/test_newcomer.py", "e2e/test_rm_dpo.py", "e2e/test_vllm_lora.py", "e2e/test_reliability.py",
@@ -55,8 +55,8 @@ def pytest_collection_modifyitems(session, config, items):
 def ray_cluster(ray_head):
     """This process connected to the session's `ray_head` cluster, for tests that drive Ray in-process.
 
-    One cluster per pytest worker, not two: an idle Ray head's own processes (GCS, raylet, log monitor,
-    dashboard and its agent, client server, autoscaler monitor) took 6.9 CPU-seconds a minute here
+    One cluster per pytest worker, not two: a head's own processes (GCS, raylet, log monitor, dashboard
+    and its agent, client server, autoscaler monitor) took ~30 CPU-seconds over a whole `make test`
     (2026-12-07, dev/LOG.md), and the suite's clusters live for the whole session (the head's
     RAY_HEAD_CPUS leave room for both kinds of test).
     """

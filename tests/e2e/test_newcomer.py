@@ -58,7 +58,7 @@ def two_cpu_cluster(tmp_path_factory):
                              f"--temp-dir={temp}", "--block"], env=e, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "Ray runtime started" in (temp / "start.log").read_text() or head.poll() is not None, 120,
-              "ray start")
+                 "ray start")
         assert head.poll() is None, (temp / "start.log").read_text()[-3000:]
         yield f"127.0.0.1:{port}"
     finally:
@@ -142,7 +142,7 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
     assert os.path.isdir(ckpt) and done < 8, (done, os.listdir(os.path.dirname(ckpt)))
     # 30 s: seconds alone, but the suite keeps both cores busy beside it
     wait_for(lambda: not _run_processes(tag, p.pid), 30, "the run's Ray processes to end",
-          show=lambda: _run_processes(tag, p.pid))
+             show=lambda: _run_processes(tag, p.pid))
     temp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-hybridrl-{p.pid}")
     wait_for(lambda: not os.path.exists(temp), 30, f"{temp} to be removed after a run that exited")
 
@@ -157,7 +157,7 @@ def test_ctrl_c_checkpoints_resumes_and_a_killed_driver_leaves_no_ray(tmp_path):
     assert f"resumed from: {ckpt}" in text, text[-3000:]
     assert [r["step"] for r in metrics(out)][:done + 1] == list(range(1, done + 2))  # continued after the checkpoint
     wait_for(lambda: not _run_processes(tag, p.pid), 30, "the killed run's Ray processes to end",
-          show=lambda: _run_processes(tag, p.pid))
+             show=lambda: _run_processes(tag, p.pid))
     temp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"ray-hybridrl-{p.pid}")
     assert os.path.isdir(os.path.join(temp, "session_latest", "logs")), "Ray's logs are kept after a kill"
     shutil.rmtree(temp)
